@@ -1,0 +1,80 @@
+"""Configuration of a DFlash block-diffusion draft: a Qwen3 config plus the DFlash fields."""
+
+import dataclasses
+
+from transformers import Qwen3Config
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published default: target layers spread evenly, skipping the first and the last few."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = (num_target_layers - 4) / (num_draft_layers - 1)
+    return [round(1 + j * span) for j in range(num_draft_layers)]
+
+
+class DFlashConfig(Qwen3Config):
+    """A `Qwen3Config` with the DFlash fields, stored as the published z-lab checkpoints store them.
+
+    `model_type` stays `"qwen3"` so that vLLM and SGLang read the config without remote code. The DFlash settings live
+    in `block_size`, `num_target_layers` and `dflash_config = {"mask_token_id", "target_layer_ids"}`, and are also
+    readable as `config.mask_token_id` and `config.target_layer_ids` (what transformers' DFlash generator reads).
+    """
+
+    block_size: int = 16
+    num_target_layers: int | None = None
+    dflash_config: dict | None = None
+
+    if dataclasses.is_dataclass(Qwen3Config):  # transformers 5.x: configs are dataclasses
+
+        def __post_init__(self, **kwargs):
+            target_layer_ids = kwargs.pop("target_layer_ids", None)
+            mask_token_id = kwargs.pop("mask_token_id", None)
+            super().__post_init__(**kwargs)
+            self._fill_dflash_config(target_layer_ids, mask_token_id)
+
+    else:  # transformers 4.x
+
+        def __init__(self, block_size=16, num_target_layers=None, dflash_config=None, **kwargs):
+            target_layer_ids = kwargs.pop("target_layer_ids", None)
+            mask_token_id = kwargs.pop("mask_token_id", None)
+            super().__init__(**kwargs)
+            self.block_size, self.num_target_layers, self.dflash_config = block_size, num_target_layers, dflash_config
+            self._fill_dflash_config(target_layer_ids, mask_token_id)
+
+    def _fill_dflash_config(self, target_layer_ids, mask_token_id) -> None:
+        dflash = dict(self.dflash_config or {})
+        if target_layer_ids is not None:
+            dflash["target_layer_ids"] = list(target_layer_ids)
+        if mask_token_id is not None:
+            dflash["mask_token_id"] = mask_token_id
+        if "target_layer_ids" not in dflash and self.num_target_layers is not None:
+            # vLLM has no fallback for a missing list, so it is always written
+            dflash["target_layer_ids"] = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        self.dflash_config = dflash
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.dflash_config.get("target_layer_ids") or [])
+
+    @target_layer_ids.setter
+    def target_layer_ids(self, value: list[int]) -> None:
+        self.dflash_config = {**self.dflash_config, "target_layer_ids": list(value)}
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.dflash_config.get("mask_token_id")
+
+    @mask_token_id.setter
+    def mask_token_id(self, value: int) -> None:
+        self.dflash_config = {**self.dflash_config, "mask_token_id": value}
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        rope = out.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            out.setdefault("rope_theta", rope["rope_theta"])  # z-lab's MLX loader and older engines read it here
+        return out
+
+
+__all__ = ["DFlashConfig", "build_target_layer_ids"]

@@ -1,0 +1,216 @@
+"""DFlash decoding: `spec_generate` (a hand-written loop) and `DFlashCandidateGenerator` (for `target.generate`).
+
+Each round drafts a block `[last token, MASK x (B-1)]` in one draft pass, verifies it in one target pass, keeps the
+longest prefix the target agrees with plus the target's own next token, and crops both caches to that prefix.
+Sampling (temperature > 0) uses the one-hot rule: the draft proposes its argmax, the target samples every block
+position, and draft tokens are kept while they equal the target's samples. Every kept token is a target sample
+given a prefix of target samples, so the output has exactly the target's distribution.
+"""
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+@dataclass
+class SpecGenerateOutput:
+    """What `spec_generate(..., return_stats=True)` returns. `acceptance_lengths` counts the bonus token (tau)."""
+
+    output_ids: torch.LongTensor
+    acceptance_lengths: list[int] = field(default_factory=list)
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks: all run before any compute.
+
+
+def decoder_layers(target) -> torch.nn.ModuleList:
+    """The target's decoder layers (`target.model.layers` in the usual layout)."""
+    base = getattr(target, getattr(target, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or target.get_output_embeddings() is None:
+        raise ValueError(
+            f"DFlash needs a decoder-only causal LM with `model.embed_tokens`, `model.layers` and `lm_head`; "
+            f"{type(target).__name__} does not have that layout."
+        )
+    return layers
+
+
+def check_target_supported(target) -> None:
+    """Refuses targets whose cache cannot be cropped back to an accepted prefix (stateful or hybrid models)."""
+    layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or [])
+    if getattr(target, "_is_stateful", False) or layer_types - ATTENTION_LAYER_TYPES:
+        raise ValueError(
+            f"{type(target).__name__} keeps a recurrent state ({sorted(layer_types - ATTENTION_LAYER_TYPES) or 'stateful'})"
+            " that cannot be cropped after a rejected draft; DFlash in torch supports attention-only targets."
+        )
+
+
+def check_draft_fits_target(draft, target) -> None:
+    """Raises a ValueError naming the first mismatch between the draft's config and the target."""
+    config = draft.config
+    num_layers = len(decoder_layers(target))
+    check_target_supported(target)
+    vocab_size, hidden_size = target.get_output_embeddings().weight.shape
+    if config.hidden_size != hidden_size:
+        raise ValueError(f"draft hidden_size {config.hidden_size} does not match the target's {hidden_size}")
+    if config.vocab_size != vocab_size:
+        raise ValueError(f"draft vocab_size {config.vocab_size} does not match the target's {vocab_size}")
+    if config.num_target_layers is not None and config.num_target_layers != num_layers:
+        raise ValueError(f"draft num_target_layers {config.num_target_layers} does not match the target's {num_layers}")
+    ids = config.target_layer_ids
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_layers - 1:
+        raise ValueError(
+            f"target_layer_ids {ids} must be sorted, unique and in [0, {num_layers - 1}) for a {num_layers}-layer target"
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocab of {vocab_size}")
+
+
+def check_generation_inputs(input_ids: torch.Tensor, max_new_tokens: int, block_size: int) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"DFlash decodes one sequence at a time (batch size 1); got input_ids of shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: DFlash needs at least one input token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2 (the last token plus one drafted token), got {block_size}")
+
+
+def refuse_generate(self, *args, **kwargs):
+    """Reached only when transformers bypassed DFlash routing and treated the draft as an ordinary assistant."""
+    raise RuntimeError(
+        "A DFlash draft is not a language model and cannot run `generate` itself. transformers did not route it to "
+        "DFlashCandidateGenerator; use `draft.spec_generate(target=...)` or `speculation_type='dflash'`."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure helpers shared by both decoding routes.
+
+
+def extract_context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenates the outputs of `layer_ids`; `hidden_states[0]` is the embedding output, hence the `+ 1`."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def accepted_length(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> int:
+    """Number of leading drafted tokens that equal the target's choice at the previous position."""
+    return int(torch.cumprod(draft_tokens == target_tokens, dim=-1).sum())
+
+
+def draft_block(draft, embed, lm_head, last_token, context, start, cache, block_size) -> torch.Tensor:
+    """One draft pass: proposes `block_size - 1` tokens after `last_token` at position `start`."""
+    mask_id = draft.config.mask_token_id
+    block = torch.full((1, block_size), mask_id, dtype=torch.long, device=last_token.device)
+    block[:, 0] = last_token
+    positions = torch.arange(start - context.shape[1], start + block_size, device=block.device)[None]
+    hidden = draft(noise_embeds=embed(block), context_hidden_states=context, position_ids=positions, past_key_values=cache)
+    drop_last(cache, block_size)  # the cache keeps committed context only; the block is re-drafted next round
+    return lm_head(hidden.last_hidden_state[:, 1:]).argmax(dim=-1)
+
+
+def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Greedy at temperature 0, else one independent sample per position. `logits`: `[1, n, vocab]`."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits[0].float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).T
+
+
+def first_stop(tokens: list[int], stop_token_ids: set[int]) -> int | None:
+    """Index just after the first stop token in `tokens`, or None."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in stop_token_ids), None)
+
+
+def drop_last(cache: DynamicCache, num_tokens: int) -> None:
+    """Removes the last `num_tokens` cached tokens; `crop(0)` would empty the cache on transformers 4.x."""
+    if num_tokens > 0:
+        cache.crop(-num_tokens)
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The hand-written loop.
+
+
+@torch.inference_mode()
+def spec_generate(
+    self,
+    target,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int = 2048,
+    stop_token_ids: list[int] | None = None,
+    temperature: float = 0.0,
+    *,
+    block_size: int | None = None,
+    return_stats: bool = False,
+    generator: torch.Generator | None = None,
+):
+    """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
+    identical tokens at `temperature=0`, the same distribution above it.
+
+    Args:
+        target: a transformers causal LM whose hidden states this draft was trained on.
+        input_ids: `[1, prompt_len]` prompt.
+        max_new_tokens: at most this many new tokens.
+        stop_token_ids: generation ends after the first of these tokens (it is kept).
+        temperature: 0 for greedy decoding.
+        block_size: tokens per draft block, including the last committed token; defaults to `config.block_size`.
+        return_stats: return a `SpecGenerateOutput` with acceptance lengths instead of the ids alone.
+        generator: optional `torch.Generator` for sampling.
+
+    Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
+    """
+    block_size = block_size or self.config.block_size
+    check_generation_inputs(input_ids, max_new_tokens, block_size)
+    check_draft_fits_target(self, target)
+    stops = set(stop_token_ids or [])
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    layer_ids, cache_name = self.config.target_layer_ids, _cache_kwarg(target)
+    target_cache, draft_cache = DynamicCache(), DynamicCache()
+    input_ids = input_ids.to(target.device)
+    prompt_len = input_ids.shape[1]
+
+    # prefill: the target reads the prompt and picks the first new token
+    out = target(input_ids=input_ids, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_name: target_cache})
+    new_tokens = pick_tokens(out.logits[:, -1:], temperature, generator)[0].tolist()
+    context = extract_context_features(out.hidden_states, layer_ids)
+    acceptance_lengths: list[int] = []
+    start = prompt_len  # position of the last committed token, which is not yet in the target's cache
+
+    while len(new_tokens) < max_new_tokens and first_stop(new_tokens, stops) is None:
+        last = torch.tensor([[new_tokens[-1]]], device=input_ids.device)
+        drafted = draft_block(self, embed, lm_head, last, context, start, draft_cache, block_size)
+        # verify: the target scores `[last, d_1 .. d_{B-1}]` in one pass
+        verify_ids = torch.cat([last, drafted], dim=1)
+        positions = torch.arange(start, start + block_size, device=verify_ids.device)[None]
+        out = target(input_ids=verify_ids, position_ids=positions, use_cache=True, output_hidden_states=True, **{cache_name: target_cache})
+        chosen = pick_tokens(out.logits, temperature, generator)
+        accepted = accepted_length(drafted[0], chosen[0, :-1])
+        new_tokens += drafted[0, :accepted].tolist() + [int(chosen[0, accepted])]
+        acceptance_lengths.append(accepted + 1)
+        # drop the rejected tail from the target cache; its keys were computed from wrong tokens
+        drop_last(target_cache, block_size - accepted - 1)
+        context = extract_context_features(out.hidden_states, layer_ids)[:, : accepted + 1]
+        start += accepted + 1
+
+    end = min(first_stop(new_tokens, stops) or len(new_tokens), max_new_tokens)
+    output_ids = torch.cat([input_ids, torch.tensor([new_tokens[:end]], device=input_ids.device)], dim=1)
+    if not return_stats:
+        return output_ids
+    return SpecGenerateOutput(output_ids, acceptance_lengths, prompt_len, end)

@@ -1,0 +1,198 @@
+"""DFlash block-diffusion draft: Qwen3-style layers whose keys and values also see projected target hidden states."""
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+try:
+    from .configuration_dflash import DFlashConfig
+    from .generation_dflash import refuse_generate as _refuse_generate
+    from .generation_dflash import spec_generate as _spec_generate
+except ImportError:  # imported as a top-level module from the repo root or an installed project
+    from configuration_dflash import DFlashConfig
+    from generation_dflash import refuse_generate as _refuse_generate
+    from generation_dflash import spec_generate as _spec_generate
+
+# transformers 5.x names the cache `cache`, 4.x `past_key_values`
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+_STRICT_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding; `cos`/`sin` are `[batch, seq, head_dim]` for the last `seq` positions of `x`."""
+    cos, sin = cos[:, None, -x.shape[-2] :], sin[:, None, -x.shape[-2] :]
+    return x * cos + rotate_half(x) * sin
+
+
+def key_padding_mask(attention_mask: torch.Tensor | None, query_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Turns a `[batch, kv_len]` 0/1 mask into an additive `[batch, 1, query_len, kv_len]` one; None when all ones."""
+    if attention_mask is None or attention_mask.dim() == 4:
+        return attention_mask
+    if bool(attention_mask.all()):
+        return None
+    blocked = (attention_mask == 0)[:, None, None, :].expand(-1, 1, query_len, -1)
+    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(blocked, torch.finfo(dtype).min)
+
+
+def sliding_window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive `[1, 1, q, k]` mask hiding keys more than `window - 1` positions before the query (non-causal)."""
+    too_far = (query_pos[:, None] - key_pos[None, :]) >= window
+    return torch.zeros(too_far.shape, dtype=dtype, device=too_far.device).masked_fill(too_far, torch.finfo(dtype).min)[
+        None, None
+    ]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from `[context ; block]`, with no causal mask."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        self.sliding_window = config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+        bias = getattr(config, "attention_bias", False)
+        q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None):
+        cos, sin = position_embeddings
+        # the context skips `input_layernorm`: it was normed by `hidden_norm` already
+        kv_input = torch.cat([context, hidden_states], dim=1)
+        query = apply_rope(self.q_norm(self._heads(self.q_proj(hidden_states))), cos, sin)
+        key = apply_rope(self.k_norm(self._heads(self.k_proj(kv_input))), cos, sin)
+        value = self._heads(self.v_proj(kv_input))
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        if self.sliding_window is not None:
+            positions = torch.arange(key.shape[-2], device=key.device)
+            window = sliding_window_mask(positions[-query.shape[-2] :], positions, self.sliding_window, query.dtype)
+            attention_mask = window if attention_mask is None else attention_mask + window
+        impl = self.config._attn_implementation
+        attention: Callable = eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+        out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None):
+        attn_in = self.input_layernorm(hidden_states)
+        hidden_states = hidden_states + self.self_attn(attn_in, context, position_embeddings, attention_mask, cache)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashPreTrainedModel(PreTrainedModel):
+    config_class = DFlashConfig
+    base_model_prefix = "model"
+    main_input_name = "noise_embeds"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+
+class DFlashDraftModel(DFlashPreTrainedModel):
+    """The DFlash draft. It has no embedding and no head: callers embed with the target's table and read logits
+    through the target's `lm_head`. Decoding lives in `generation_dflash.py`; `spec_generate` is re-exported here."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        num_features = len(config.target_layer_ids) * config.hidden_size
+        self.fc = nn.Linear(num_features, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.post_init()
+
+    def project_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[batch, ctx, len(target_layer_ids) * hidden]` target features -> `[batch, ctx, hidden]`."""
+        return self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        use_cache: bool | None = None,
+        cache: DynamicCache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        noise_embeds: `[batch, block, hidden]`, the target's embedding of `[last token, mask, ..., mask]`.
+        context_hidden_states: `[batch, ctx, len(target_layer_ids) * hidden]`, target features of the tokens committed
+            since the last call (all prompt tokens on the first call).
+        position_ids: `[batch, ctx + block]`, absolute positions of the context tokens then the block.
+        attention_mask: optional `[batch, cached + ctx + block]` 0/1 mask over keys.
+        past_key_values / cache: a `DynamicCache` holding earlier context keys/values; this call appends the new
+            context and the block, so callers crop the block (`cache.crop(-block)`) afterwards.
+
+        Returns `last_hidden_state` of shape `[batch, block, hidden]` in the dtype of `noise_embeds`.
+        """
+        cache = cache if cache is not None else past_key_values
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        hidden_states = noise_embeds.to(self.fc.weight.dtype)
+        context = self.project_context(context_hidden_states)
+        if position_ids is None:
+            start = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(start, start + context.shape[1] + hidden_states.shape[1], device=context.device)
+            position_ids = position_ids[None].expand(hidden_states.shape[0], -1)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        mask = key_padding_mask(attention_mask, hidden_states.shape[1], hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, position_embeddings, mask, cache)
+        hidden_states = self.norm(hidden_states).to(noise_embeds.dtype)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Loads strictly: a missing, unexpected or mis-shaped tensor is an error, not a warning."""
+        return_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {k: v for k, v in info.items() if k in _STRICT_KEYS and v}
+        if problems:
+            raise ValueError(f"DFlash checkpoint does not match {cls.__name__}: {problems}")
+        return (model, info) if return_info else model
+
+    spec_generate = _spec_generate
+    generate = _refuse_generate
+
+
+DFlashConfig.register_for_auto_class("AutoConfig")
+DFlashDraftModel.register_for_auto_class("AutoModel")
+
+__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig"]

@@ -1,0 +1,123 @@
+"""Tiny random targets and drafts, built in code (no Hub), shared by every test."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configuration_dflash import DFlashConfig  # noqa: E402
+from modeling_dflash import DFlashDraftModel  # noqa: E402
+
+VOCAB, HIDDEN, TARGET_LAYERS = 64, 64, 4
+MASK_ID = VOCAB - 1
+TARGET_CONFIGS = {
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,
+    "qwen2": Qwen2Config,
+    "mistral": MistralConfig,
+}
+
+
+def make_target(arch: str = "llama", seed: int = 0, initializer_range: float = 0.02, **overrides):
+    """A 4-layer fp32 target. A larger `initializer_range` makes its next-token distributions peakier."""
+    torch.manual_seed(seed)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=initializer_range,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    config = TARGET_CONFIGS[arch](**kwargs)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None  # plain decoding runs to max_new_tokens unless a test sets a stop
+    return model
+
+
+def make_draft_config(**overrides) -> DFlashConfig:
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_target_layers=TARGET_LAYERS,
+        target_layer_ids=[0, 2],
+        mask_token_id=MASK_ID,
+        block_size=8,
+        max_position_embeddings=512,
+    )
+    kwargs.update(overrides)
+    return DFlashConfig(**kwargs)
+
+
+def make_draft(seed: int = 1, **overrides) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    return DFlashDraftModel(make_draft_config(**overrides)).eval()
+
+
+def greedy_reference(target, input_ids, max_new_tokens: int) -> torch.Tensor:
+    """Plain greedy decoding of the target (which has no EOS set, so it runs to `max_new_tokens`)."""
+    return target.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+
+
+class OracleDraft(DFlashDraftModel):
+    """A draft that proposes the reference continuation for exactly `k` tokens per block, then wrong tokens.
+
+    It runs the real draft layers (so the context cache is exercised) and then replaces the output with hidden
+    states that the target's lm_head maps to the chosen tokens (exact, since the tiny lm_head is square).
+    """
+
+    def setup(self, target, reference: torch.Tensor, k: int):
+        self.lm_head_pinv = torch.linalg.pinv(target.get_output_embeddings().weight.detach().double()).float()
+        self.reference, self.k, self.calls = reference[0].tolist(), k, []
+        return self
+
+    def forward(self, noise_embeds, context_hidden_states, position_ids=None, **kwargs):
+        out = super().forward(noise_embeds, context_hidden_states, position_ids=position_ids, **kwargs)
+        block = noise_embeds.shape[1]
+        start = int(position_ids[0, -block])
+        self.calls.append((context_hidden_states.shape[1], start))
+        tokens = [self.token_at(start + i, i) for i in range(block)]
+        logits = torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).float() * 50.0
+        out.last_hidden_state = (logits @ self.lm_head_pinv.T)[None].to(noise_embeds.dtype)
+        return out
+
+    def token_at(self, position: int, offset: int) -> int:
+        right = self.reference[position] if position < len(self.reference) else 3
+        return right if offset <= self.k else (right + 1) % (VOCAB - 1)
+
+
+@pytest.fixture
+def target():
+    return make_target("llama")
+
+
+@pytest.fixture
+def draft():
+    return make_draft()

@@ -1,0 +1,163 @@
+"""`draft.spec_generate`: exactness against plain target decoding, partial acceptance, sampling, stops and errors."""
+
+import pytest
+import torch
+
+from conftest import MASK_ID, VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
+from generation_dflash import accepted_length, check_draft_fits_target
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_equals_target_greedy(arch, block_size):
+    target, draft = make_target(arch), make_draft()
+    for prompt_len in (1, 5, 64):
+        ids = torch.randint(3, VOCAB - 1, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+        max_new = 3 * block_size + 1  # not a multiple of the block size
+        expected = greedy_reference(target, ids, max_new)
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, temperature=0.0, block_size=block_size)
+        assert torch.equal(out, expected), f"{arch} B={block_size} prompt={prompt_len}"
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_forced_partial_acceptance_at_every_k(block_size):
+    """A draft right for exactly k tokens per block: output stays exact and every round accepts k + 1."""
+    target = make_target("qwen3")
+    ids = torch.randint(3, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(0))
+    max_new = 40
+    reference = greedy_reference(target, ids, max_new + block_size)
+    for k in range(block_size):
+        draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
+        stats = draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=max_new, temperature=0.0, block_size=block_size, return_stats=True
+        )
+        assert torch.equal(stats.output_ids, reference[:, : 6 + max_new]), f"k={k}"
+        assert stats.acceptance_lengths[:-1] == [k + 1] * (len(stats.acceptance_lengths) - 1), f"k={k}"
+        # the draft sees the whole prompt first, then exactly the tokens committed by the previous round
+        assert draft.calls[0] == (6, 6) and all(n == k + 1 for n, _ in draft.calls[1:]), draft.calls
+        assert stats.num_input_tokens == 6 and stats.num_output_tokens == max_new
+
+
+def test_perfect_draft_needs_fewer_target_passes():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    reference = greedy_reference(target, ids, 64)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, 7)
+    stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=48, block_size=8, return_stats=True)
+    assert torch.equal(stats.output_ids, reference[:, :51])
+    assert len(stats.acceptance_lengths) == 6 and stats.mean_acceptance_length == 8
+
+
+def test_stops_at_first_stop_token_inside_accepted_block():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    reference = greedy_reference(target, ids, 40)
+    stop = int(reference[0, 3 + 10])  # the 11th new token
+    first = next(i for i, t in enumerate(reference[0, 3:].tolist()) if t == stop)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, 7)
+    out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=40, stop_token_ids=[stop], block_size=8)
+    assert torch.equal(out, reference[:, : 3 + first + 1])
+
+
+def test_real_tokens_equal_to_mask_id_are_kept():
+    """A target that likes the mask token must still see it in the output (z-lab bug #73)."""
+    target = make_target("llama")
+    with torch.no_grad():
+        target.lm_head.weight[MASK_ID] = target.lm_head.weight[MASK_ID] * 0 + target.model.norm.weight * 5
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 20)
+    assert (expected[0, 3:] == MASK_ID).any()
+    out = make_draft().spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4)
+    assert torch.equal(out, expected)
+
+
+def exact_two_token_distribution(target, ids, temperature):
+    """p(t1, t2 | prompt) of the target at `temperature`, as a [V, V] table."""
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1] / temperature, -1)
+        seqs = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], 1)
+        p2 = torch.softmax(target(seqs).logits[:, -1] / temperature, -1)
+    return p1[:, None] * p2
+
+
+def test_sampling_matches_target_distribution():
+    """Chi-square test of the first two sampled tokens against the exact target distribution.
+
+    The draft proposes the target's greedy tokens, so blocks are often accepted; a verifier that kept draft tokens
+    too eagerly would over-weight the greedy path. Cells below an expected count of 5 are pooled; the test fails
+    at p < 1e-4.
+    """
+    target = make_target("llama", initializer_range=0.5)
+    ids, temperature, n = torch.tensor([[5, 6, 7]]), 1.0, 2000
+    exact = exact_two_token_distribution(target, ids, temperature).flatten()
+    draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(VOCAB * VOCAB)
+    accepted = 0
+    for _ in range(n):
+        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=temperature, block_size=4, return_stats=True, generator=g)
+        t1, t2 = stats.output_ids[0, 3:].tolist()
+        counts[t1 * VOCAB + t2] += 1
+        accepted += stats.acceptance_lengths[0] > 1
+    assert accepted > n // 5, "the test needs drafted tokens to be accepted"
+    expected = exact * n
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_accepted_length():
+    assert accepted_length(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4])) == 2
+    assert accepted_length(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3])) == 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match the target's 64"),
+        ({"vocab_size": 99}, "vocab_size 99 does not match the target's 64"),
+        ({"num_target_layers": 6}, "num_target_layers 6 does not match the target's 4"),
+        ({"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\] must be sorted, unique and in \[0, 3\)"),
+        ({"target_layer_ids": [2, 0]}, r"target_layer_ids \[2, 0\] must be sorted"),
+        ({"mask_token_id": 64}, "mask_token_id 64 is outside the target's vocab of 64"),
+    ],
+)
+def test_mismatched_draft_is_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        check_draft_fits_target(make_draft(**change), make_target("llama"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]])}, "batch size 1"),
+        ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "prompt is empty"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        ({"block_size": 1}, "block_size must be at least 2"),
+    ],
+)
+def test_bad_arguments_fail_before_compute(kwargs, message):
+    target, draft = make_target("llama"), make_draft()
+    calls = []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    args = {"input_ids": torch.tensor([[5, 6]]), "max_new_tokens": 4} | kwargs
+    with pytest.raises(ValueError, match=message):
+        draft.spec_generate(target=target, **args)
+    assert not calls, "the target ran before the error"
+
+
+def test_hybrid_target_is_refused_by_name():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )
+    target = Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="Qwen3NextForCausalLM keeps a recurrent state"):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4)
