@@ -1,0 +1,255 @@
+"""The training recipe on tiny random targets; one slow test checks the shipped root draft against SmolLM2."""
+
+import json
+
+import pytest
+import torch
+from conftest import MASK_ID, ROOT, TARGET_LAYERS, VOCAB, greedy_reference, make_target
+
+from training import (
+    TrainConfig,
+    anchor_attention_mask,
+    block_inputs,
+    block_loss,
+    build_draft_config,
+    check_output_dir,
+    loss_weights,
+    new_draft,
+    regenerate_responses,
+    sample_anchors,
+    save_draft,
+    tokenize_examples,
+    train,
+)
+from training.data import Sequence, disjoint_sources, iter_json_array, load_examples
+from training.trainer import collate
+
+
+class TinyTokenizer:
+    """Enough of a tokenizer for the data helpers: one token per character, a ChatML-like template."""
+
+    eos_token_id, pad_token_id, unk_token_id = 2, 0, 3
+
+    def encode(self, text, add_special_tokens=False):
+        return [4 + ord(c) % (VOCAB - 8) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [1] + [t for m in messages for t in self.encode(m["content"])] + [5]
+
+    def convert_tokens_to_ids(self, token):
+        return 2 if token == "<|im_end|>" else self.unk_token_id
+
+
+def random_sequences(n: int, length: int = 40, seed: int = 0) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    return [Sequence(f"s{i}", torch.randint(4, VOCAB - 1, (length,), generator=g).tolist(), 6) for i in range(n)]
+
+
+def tiny_draft(target, **overrides):
+    config = build_draft_config(target, num_layers=2, target_layer_ids=[0, 2], block_size=4, mask_token_id=MASK_ID)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return new_draft(target, config, init="random", seed=1)
+
+
+def quick_config(**overrides) -> TrainConfig:
+    kwargs = dict(num_anchors=4, batch_size=2, learning_rate=3e-3, warmup_ratio=0.0, eval_every=0, save_every=2, seed=0)
+    return TrainConfig(**{**kwargs, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Anchors and mask.
+
+
+def test_anchor_mask_sees_exactly_the_context_before_its_anchor_and_its_own_block():
+    anchors = torch.tensor([[3, 7, 8], [1, 5, 9]])
+    block, context_len = 4, 12
+    mask = anchor_attention_mask(anchors, context_len, block)
+    assert mask.shape == (2, 3 * block, context_len + 3 * block)
+    for b in range(2):
+        for q in range(3 * block):
+            j = q // block
+            allowed_ctx = {c for c in range(context_len) if c < int(anchors[b, j])}
+            allowed_blk = {context_len + j * block + i for i in range(block)}
+            assert set(mask[b, q].nonzero().flatten().tolist()) == allowed_ctx | allowed_blk
+
+
+def test_block_sparse_pass_equals_one_block_at_a_time():
+    """All anchors in one masked pass give the same hidden states as drafting each block alone, as at decode time."""
+    target = make_target("llama")
+    draft = tiny_draft(target)
+    ids = torch.randint(4, VOCAB - 1, (1, 24), generator=torch.Generator().manual_seed(0))
+    anchors, block = torch.tensor([[5, 9, 17]]), draft.config.block_size
+    from training.trainer import target_pass
+    from training.anchors import additive_mask
+
+    features, _ = target_pass(target, ids, torch.tensor([24]), draft.config.target_layer_ids)
+    tokens, _, _ = block_inputs(ids, anchors, torch.ones_like(anchors, dtype=torch.bool), torch.tensor([24]), block, MASK_ID)
+    embed = target.get_input_embeddings()
+    positions = torch.cat([torch.arange(24)[None], (anchors[..., None] + torch.arange(block)).flatten(1)], dim=1)
+    mask = additive_mask(anchor_attention_mask(anchors, 24, block), torch.float32)
+    with torch.no_grad():
+        together = draft(noise_embeds=embed(tokens.flatten(1)), context_hidden_states=features, position_ids=positions, attention_mask=mask).last_hidden_state
+        for j, a in enumerate(anchors[0].tolist()):
+            alone = draft(noise_embeds=embed(tokens[:, j]), context_hidden_states=features[:, :a],
+                          position_ids=torch.arange(a + block)[None]).last_hidden_state
+            torch.testing.assert_close(together[:, j * block : (j + 1) * block], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_anchors_stay_in_the_response_and_labels_inside_the_sequence():
+    g = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(torch.tensor([6, 3]), torch.tensor([12, 5]), 4, g)
+    assert valid.tolist() == [[True] * 4, [True, False, False, False]]
+    assert all(6 <= a <= 10 for a in anchors[0].tolist()) and anchors[1, 0] == 3
+    ids = torch.arange(12).repeat(2, 1)
+    tokens, labels, label_mask = block_inputs(ids, anchors, valid, torch.tensor([12, 5]), 4, MASK_ID)
+    assert (tokens[..., 1:] == MASK_ID).all() and torch.equal(tokens[..., 0], ids.gather(1, anchors))
+    assert labels[1, 0].tolist()[:1] == [4] and label_mask[1, 0].tolist() == [True, False, False]
+    assert loss_weights(8, 4.0)[0] == 1 and torch.allclose(loss_weights(8, 4.0)[3], torch.exp(torch.tensor(-0.75)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training.
+
+
+def test_one_training_step_reduces_the_loss():
+    target = make_target("llama", initializer_range=0.2)
+    draft = tiny_draft(target)
+    batch = collate(random_sequences(2), pad_id=0)
+    weights = loss_weights(4, 4.0)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+
+    def loss_now():
+        return block_loss(draft, target, batch, num_anchors=8, generator=torch.Generator().manual_seed(0), weights=weights, distill_weight=0.5)[0]
+
+    before = loss_now()
+    before.backward()
+    optimizer.step()
+    with torch.no_grad():
+        assert float(loss_now()) < float(before)
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_resume_after_interruption_gives_identical_state(tmp_path):
+    target = make_target("llama")
+    data = random_sequences(8)
+    straight = tiny_draft(target)
+    train(straight, target, data, tmp_path / "straight", quick_config(max_steps=6), progress=False)
+
+    resumed = tiny_draft(target)
+    summary = train(resumed, target, data, tmp_path / "resumed", quick_config(max_steps=6, stop_after=3), progress=False)
+    assert summary == {"step": 3, "finished": False, "history": []}
+    again = tiny_draft(target)  # a fresh process: everything comes from the checkpoint
+    assert train(again, target, data, tmp_path / "resumed", quick_config(max_steps=6), progress=False)["step"] == 6
+    for (name, a), b in zip(straight.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    s, r = (torch.load(p / "checkpoint.pt", weights_only=False) for p in (tmp_path / "straight", tmp_path / "resumed"))
+    assert s["scheduler"] == r["scheduler"]
+    for x, y in zip(s["optimizer"]["state"].values(), r["optimizer"]["state"].values()):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_periodic_held_out_evaluation_is_recorded(tmp_path):
+    target = make_target("llama")
+    summary = train(tiny_draft(target), target, random_sequences(4), tmp_path, quick_config(max_steps=2, eval_every=1),
+                    eval_sequences={"held": random_sequences(2, seed=5)}, progress=False)
+    assert [h["step"] for h in summary["history"]] == [0, 1, 2]
+    assert all(1.0 <= h["held/tau"] <= 4.0 for h in summary["history"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data.
+
+
+def test_regenerated_responses_are_cached_and_reused(tmp_path, monkeypatch):
+    target = make_target("llama")
+    tok = TinyTokenizer()
+    examples = [{"id": f"p/{i}", "messages": [{"role": "user", "content": f"hi {i}"}], "response": None, "source": "p"} for i in range(3)]
+    cache = tmp_path / "responses.jsonl"
+    first = regenerate_responses(target, tok, examples[:2], cache, batch_size=2, max_new_tokens=5, progress=False)
+    assert len(first) == 2 and all(1 <= len(v) <= 5 for v in first.values())
+
+    calls = []
+    original = target.generate
+    monkeypatch.setattr(target, "generate", lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k))
+    second = regenerate_responses(target, tok, examples, cache, batch_size=2, max_new_tokens=5, progress=False)
+    assert calls == [1]  # only the new prompt is generated
+    assert {k: second[k] for k in first} == first
+    assert len(cache.read_text().splitlines()) == 3
+    seqs = tokenize_examples(tok, examples, regenerated=second, max_length=64)
+    assert [s.loss_start for s in seqs] == [len(tok.apply_chat_template(e["messages"])) for e in examples]
+
+
+def test_jsonl_sources_and_truncated_json_arrays(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    lines = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, {"text": "plain"}, {"prompt": "p"}]
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    examples = load_examples(str(path))
+    assert [e["response"] for e in examples] == ["a", "plain", None]
+    assert list(iter_json_array('[{"a": 1}, {"b": 2}, {"c": [1, 2')) == [{"a": 1}, {"b": 2}]
+    with pytest.raises(ValueError, match="different sources"):
+        disjoint_sources(examples, [{"id": "x", "source": "mine"}])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_target_without_the_expected_layers_is_refused():
+    target = make_target("llama")
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        new_draft(target, build_draft_config(target, num_layers=2, target_layer_ids=[0, TARGET_LAYERS], mask_token_id=MASK_ID))
+    with pytest.raises(ValueError, match="model.layers"):
+        build_draft_config(torch.nn.Linear(2, 2), mask_token_id=MASK_ID)
+
+
+def test_mask_token_outside_the_vocab_is_refused():
+    target = make_target("llama")
+    with pytest.raises(ValueError, match="mask_token_id .* outside"):
+        new_draft(target, build_draft_config(target, num_layers=2, target_layer_ids=[0, 2], mask_token_id=VOCAB))
+
+
+def test_empty_dataset_is_refused(tmp_path):
+    target = make_target("llama")
+    with pytest.raises(ValueError, match="dataset is empty"):
+        train(tiny_draft(target), target, [], tmp_path, quick_config(max_steps=1), progress=False)
+
+
+def test_output_folder_with_other_files_is_never_overwritten(tmp_path):
+    target = make_target("llama")
+    draft = tiny_draft(target)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="holds other files"):
+        save_draft(draft, tmp_path / "other", overwrite=True)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
+    save_draft(draft, tmp_path / "draft")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        check_output_dir(tmp_path / "draft")
+    save_draft(draft, tmp_path / "draft", overwrite=True)
+    assert (tmp_path / "draft" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The shipped draft.
+
+
+@pytest.mark.slow
+def test_shipped_root_draft_fits_smollm2_and_is_lossless():
+    from transformers import AutoModel
+
+    from default_target import load_default_target
+    from generation_dflash import check_draft_fits_target
+
+    torch.set_num_threads(2)
+    target, tokenizer = load_default_target()
+    draft = AutoModel.from_pretrained(ROOT, trust_remote_code=True).eval()
+    check_draft_fits_target(draft, target)
+    assert any(float(p.abs().sum()) > 0 for p in draft.parameters())
+    for prompt in ["What is 12 times 7?", "Write a Python function that reverses a string."]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        expected = greedy_reference(target, ids, 24)
+        stats = draft.spec_generate(target, ids, max_new_tokens=24, return_stats=True)
+        assert torch.equal(stats.output_ids, expected), prompt
+        assert stats.mean_acceptance_length >= 1.0

@@ -1,0 +1,143 @@
+"""`python -m training`: train a DFlash draft for a transformers causal LM and write it as a draft folder.
+
+Example (the embedded default target, teacher-forced ShareGPT replies, held-out tau on the bench sets):
+
+    python -m training --output drafts/smollm2 --data sharegpt --responses dataset --max-examples 4000
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+
+from .data import disjoint_sources, load_examples, read_response_cache, regenerate_responses, tokenize_examples
+from .trainer import (
+    TrainConfig,
+    build_draft_config,
+    check_output_dir,
+    measure_acceptance,
+    new_draft,
+    save_draft,
+    train,
+)
+
+DEFAULT_MASK_TOKEN_ID = 16  # `<empty_output>` in SmolLM2's vocab: a special token the target never writes in chat
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True, type=Path, help="folder for the trained draft (must be new, empty, or a draft with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous draft in --output")
+    p.add_argument("--target", default="default", help="target checkpoint folder, or 'default' for SmolLM2-135M-Instruct")
+    p.add_argument("--run-dir", type=Path, help="checkpoints and data caches; default ~/.cache/dflash/runs/<output name>")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", action="append", help="training prompts: 'sharegpt' or a .jsonl file (repeatable; default sharegpt)")
+    g.add_argument("--max-examples", type=int, help="use at most this many training prompts per source")
+    g.add_argument("--responses", choices=["target", "dataset"], default="target",
+                   help="'target': regenerate responses with the target (greedy, cached); 'dataset': teacher-force the data's own")
+    g.add_argument("--eval-data", default="mt-bench,humaneval,gsm", help="held-out sets (comma-separated; other sources than --data)")
+    g.add_argument("--eval-examples", type=int, default=8, help="held-out prompts per set")
+    g.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last this many prompt tokens")
+    g.add_argument("--max-length", type=int, default=512, help="truncate prompt + response to this many tokens")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="response length when the target regenerates")
+    g.add_argument("--regen-batch-size", type=int, default=16, help="prompts per batched generate call")
+    d = p.add_argument_group("draft")
+    d.add_argument("--num-layers", type=int, default=3, help="draft decoder layers")
+    d.add_argument("--target-layer-ids", help="comma-separated target layers to read (default: the published spread)")
+    d.add_argument("--block-size", type=int, default=8, help="tokens per block, including the last committed one")
+    d.add_argument("--mask-token-id", type=int, help=f"mask token id (default {DEFAULT_MASK_TOKEN_ID} for the default target)")
+    d.add_argument("--init", choices=["target", "random"], default="target", help="warm-start the layers from the target's last layers")
+    o = p.add_argument_group("optimisation")
+    defaults = TrainConfig()
+    o.add_argument("--num-anchors", type=int, default=defaults.num_anchors, help="random blocks per sequence per step")
+    o.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (per process)")
+    o.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    o.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    o.add_argument("--warmup-ratio", type=float, default=defaults.warmup_ratio)
+    o.add_argument("--epochs", type=int, default=defaults.epochs)
+    o.add_argument("--max-steps", type=int, help="total steps (sets the cosine schedule); default epochs x batches")
+    o.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
+    o.add_argument("--gamma", type=float, help="loss weight decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8")
+    o.add_argument("--distill-weight", type=float, default=defaults.distill_weight, help="weight of the soft-label loss (0..1)")
+    o.add_argument("--label-source", choices=["target", "data"], default=defaults.label_source, help="hard labels: target argmax or data tokens")
+    o.add_argument("--eval-every", type=int, default=defaults.eval_every, help="steps between held-out evaluations")
+    o.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints")
+    o.add_argument("--time-budget-minutes", type=float, help="stop (checkpoint and write the draft) after this long")
+    o.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--measure-tau", action="store_true", help="at the end, run greedy spec_generate on the held-out prompts")
+    p.add_argument("--measure-max-new-tokens", type=int, default=96, help="tokens per prompt for --measure-tau")
+    return p.parse_args(argv)
+
+
+def load_target(name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "default":
+        from default_target import load_default_target
+
+        return load_default_target()
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    check_output_dir(args.output, args.overwrite)
+    run_dir = args.run_dir or Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "runs" / args.output.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load_target(args.target)
+    mask_id = args.mask_token_id if args.mask_token_id is not None else (DEFAULT_MASK_TOKEN_ID if args.target == "default" else None)
+    layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    draft_config = build_draft_config(target, num_layers=args.num_layers, target_layer_ids=layer_ids, block_size=args.block_size, mask_token_id=mask_id)
+    draft = new_draft(target, draft_config, init=args.init, seed=args.seed)
+
+    train_examples = [e for source in (args.data or ["sharegpt"]) for e in load_examples(source, args.max_examples)]
+    eval_names = [n for n in args.eval_data.split(",") if n]
+    eval_examples = {n: load_examples(n, args.eval_examples) for n in eval_names}
+    disjoint_sources(train_examples, [e for v in eval_examples.values() for e in v])
+    common = dict(max_prompt_tokens=args.max_prompt_tokens, max_length=args.max_length)
+    regen = dict(batch_size=args.regen_batch_size, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    regenerated = None
+    if args.responses == "target":
+        regenerated = regenerate_responses(target, tokenizer, train_examples, run_dir / "responses.jsonl", **regen)
+    train_sequences = tokenize_examples(tokenizer, train_examples, regenerated=regenerated, **common)
+    eval_sequences = {}
+    for name, examples in eval_examples.items():
+        responses = regenerate_responses(target, tokenizer, examples, run_dir / f"eval-{name}.jsonl", **regen)
+        eval_sequences[name] = tokenize_examples(tokenizer, examples, regenerated=responses, **common)
+    logging.info("%d training sequences (%d tokens); held-out: %s", len(train_sequences),
+                 sum(len(s.input_ids) for s in train_sequences), {k: len(v) for k, v in eval_sequences.items()})
+
+    config = TrainConfig(
+        num_anchors=args.num_anchors, batch_size=args.batch_size, learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, epochs=args.epochs, max_steps=args.max_steps,
+        grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight, label_source=args.label_source,
+        eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+        time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None,
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    summary = train(draft, target, train_sequences, run_dir, config, eval_sequences=eval_sequences, pad_id=pad_id)
+    if not PartialState().is_main_process:
+        return 0
+    save_draft(draft, args.output, overwrite=args.overwrite)
+    result = {"output": str(args.output), "run_dir": str(run_dir), "step": summary["step"], "finished": summary["finished"],
+              "held_out": summary["history"][-1] if summary["history"] else None}
+    if args.measure_tau:
+        result["spec_generate_tau"] = {
+            name: round(measure_acceptance(draft.eval(), target, tokenizer, examples, max_new_tokens=args.measure_max_new_tokens), 3)
+            for name, examples in eval_examples.items()
+        }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Training loop: frozen target, trainable draft, random anchors with a block-sparse mask, weighted block loss.
+
+The target's forward gives both the context features and its own next-token distributions, which serve as labels
+(its argmax, what decoding must match) and as soft labels for distillation.
+"""
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from configuration_dflash import DFlashConfig
+from generation_dflash import check_draft_fits_target, decoder_layers, extract_context_features
+from modeling_dflash import DFlashDraftModel
+
+from .anchors import additive_mask, anchor_attention_mask, block_inputs, default_gamma, loss_weights, sample_anchors
+from .data import Sequence
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.pt"
+DRAFT_FILES = {"config.json", "model.safetensors"}
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings; the paper's values where they apply (lr 6e-4, warmup 0.04, clip 1.0)."""
+
+    num_anchors: int = 32
+    batch_size: int = 4
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.04
+    epochs: int = 1
+    max_steps: int | None = None
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: the paper's value for the block size
+    distill_weight: float = 0.5  # 0: hard labels only; 1: soft labels only
+    label_source: str = "target"  # "target": the target's argmax; "data": the sequence's own next token
+    eval_every: int = 100
+    save_every: int = 50
+    time_budget_s: float | None = None
+    seed: int = 0
+    stop_after: int | None = None  # stop (as if interrupted) after this many steps; for tests
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building the draft.
+
+
+def build_draft_config(
+    target, *, num_layers: int = 3, target_layer_ids: list[int] | None = None, block_size: int = 8,
+    mask_token_id: int | None = None,
+) -> DFlashConfig:
+    """A draft config that copies the target's attention and MLP shapes, so its layers can warm-start from it."""
+    num_target_layers = len(decoder_layers(target))
+    t = target.config.get_text_config()
+    config = DFlashConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
+        rope_parameters=getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)},
+        num_target_layers=num_target_layers, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+        block_size=block_size, tie_word_embeddings=False,
+    )
+    if mask_token_id is None:
+        raise ValueError("a mask token id is required: pick a token the target never writes (e.g. an unused special token)")
+    return config
+
+
+def new_draft(target, config: DFlashConfig, *, init: str = "target", seed: int = 0) -> DFlashDraftModel:
+    """A fresh draft checked against `target`, warm-started from the target's last layers when `init == "target"`."""
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(config)
+    check_draft_fits_target(draft, target)
+    if init == "target":
+        warm_start_from_target(draft, target)
+    elif init != "random":
+        raise ValueError(f"init must be 'target' or 'random', got {init!r}")
+    return draft.float()
+
+
+@torch.no_grad()
+def warm_start_from_target(draft: DFlashDraftModel, target) -> list[int]:
+    """Copies the target's last `n` layers into the draft's `n` layers where shapes match; returns their indices.
+
+    `fc` starts by passing through the deepest feature layer, so the context looks like that layer's output.
+    """
+    layers = decoder_layers(target)
+    sources = list(range(len(layers) - len(draft.layers), len(layers)))
+    for layer, src in zip(draft.layers, sources):
+        own, theirs = layer.state_dict(), layers[src].state_dict()
+        own.update({k: v for k, v in theirs.items() if k in own and own[k].shape == v.shape})
+        layer.load_state_dict(own)
+        layer.self_attn.q_norm.weight.fill_(1.0)  # Llama has no q/k norm; ones keep the per-head scale
+        layer.self_attn.k_norm.weight.fill_(1.0)
+    hidden = draft.config.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -hidden:] = torch.eye(hidden)
+    base = getattr(target, target.base_model_prefix)
+    if getattr(base, "norm", None) is not None and base.norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight.copy_(base.norm.weight)
+    draft.hidden_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
+    return sources
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One step.
+
+
+def collate(sequences: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(s.input_ids) for s in sequences)
+    return {
+        "input_ids": torch.tensor([s.input_ids + [pad_id] * (width - len(s.input_ids)) for s in sequences]),
+        "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
+        "loss_starts": torch.tensor([s.loss_start for s in sequences]),
+    }
+
+
+@torch.no_grad()
+def target_pass(target, input_ids: torch.Tensor, lengths: torch.Tensor, layer_ids: list[int]):
+    """Context features `[b, L, len(ids) * H]` and the final normed hidden states `[b, L, H]` of the frozen target."""
+    attention_mask = (torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]).long()
+    base = getattr(target, target.base_model_prefix)
+    out = base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return extract_context_features(out.hidden_states, layer_ids), out.last_hidden_state
+
+
+def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch.Generator, weights: torch.Tensor,
+               distill_weight: float, label_source: str = "target") -> tuple[torch.Tensor, dict]:
+    """Weighted block loss over `num_anchors` random blocks per sequence, all in one draft pass.
+
+    Returns the loss and metrics: `accuracy_1` (first drafted token right) and `tau` (teacher-forced acceptance
+    length, bonus included, over blocks with all labels inside the sequence).
+    """
+    config = getattr(draft, "module", draft).config  # unwrapped config under DDP
+    block, device = config.block_size, batch["input_ids"].device
+    input_ids, lengths = batch["input_ids"], batch["lengths"]
+    features, final_hidden = target_pass(target, input_ids, lengths, config.target_layer_ids)
+    anchors, valid = sample_anchors(batch["loss_starts"].cpu(), lengths.cpu(), num_anchors, generator)
+    anchors, valid = anchors.to(device), valid.to(device)
+    tokens, labels, label_mask = block_inputs(input_ids, anchors, valid, lengths, block, config.mask_token_id)
+    b, m = anchors.shape
+    context_len = input_ids.shape[1]
+    positions = torch.cat([torch.arange(context_len, device=device).expand(b, -1), (anchors[..., None] + torch.arange(block, device=device)).flatten(1)], dim=1)
+    mask = additive_mask(anchor_attention_mask(anchors, context_len, block), torch.float32)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        noise = embed(tokens.flatten(1))
+        # the target's distribution for position a+k is its output at a+k-1
+        source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1)
+        teacher = lm_head(final_hidden.gather(1, source.flatten(1)[..., None].expand(-1, -1, final_hidden.shape[-1])))
+        teacher = teacher.float().view(b, m, block - 1, -1)
+    hidden = draft(noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask).last_hidden_state
+    # the shared head stays frozen even if the caller left the target trainable
+    head_bias = None if lm_head.bias is None else lm_head.bias.detach()
+    logits = torch.nn.functional.linear(hidden.view(b, m, block, -1)[:, :, 1:], lm_head.weight.detach(), head_bias).float()
+    hard = teacher.argmax(-1) if label_source == "target" else labels
+    log_probs = logits.log_softmax(-1)
+    hard_ce = -log_probs.gather(-1, hard[..., None])[..., 0]
+    soft_ce = -(teacher.softmax(-1) * log_probs).sum(-1) if distill_weight > 0 else torch.zeros_like(hard_ce)
+    per_token = (1 - distill_weight) * hard_ce + distill_weight * soft_ce
+    w = weights.to(device)[None, None] * label_mask
+    loss = (per_token * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        right = (logits.argmax(-1) == teacher.argmax(-1)) & label_mask
+        full = label_mask.all(-1)
+        accepted = right.long().cumprod(-1).sum(-1)
+        metrics = {
+            "accuracy_1": float(right[..., 0].sum() / label_mask[..., 0].sum().clamp(min=1)),
+            "tau": float((accepted[full] + 1).float().mean()) if bool(full.any()) else float("nan"),
+            "blocks": int(full.sum()),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints and output.
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    warmup = max(1, round(total_steps * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+
+    return factor
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """Writes to a temporary file in the same folder, then renames: a crash never leaves a half-written checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_output_dir(path: Path, overwrite: bool = False) -> None:
+    """Refuses an output folder that holds anything but a previous DFlash draft, and a draft unless `overwrite`."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"output {path} exists and is not a folder")
+    config = path / "config.json"
+    is_draft = config.exists() and "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", [])
+    if not is_draft:
+        raise FileExistsError(f"output folder {path} holds other files; refusing to overwrite it. Choose an empty or new folder")
+    if not overwrite:
+        raise FileExistsError(f"output folder {path} already holds a DFlash draft; pass --overwrite to replace it")
+
+
+def save_draft(draft: DFlashDraftModel, output: Path, *, overwrite: bool = False) -> Path:
+    """`save_pretrained` into a temporary sibling, then swapped in: the old draft stays until the new one is complete."""
+    output = Path(output)
+    check_output_dir(output, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
+        draft.save_pretrained(tmp)
+        if output.exists():
+            old = output.with_name(f".{output.name}-old-{os.getpid()}")
+            output.rename(old)
+            tmp.rename(output)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output
+
+
+def install_weights(draft_dir: Path, repo_root: Path) -> None:
+    """Moves just `config.json` and `model.safetensors` of a saved draft into a model repo (each an atomic rename)."""
+    for name in sorted(DRAFT_FILES):
+        tmp = repo_root / f".{name}.tmp"
+        shutil.copyfile(draft_dir / name, tmp)
+        os.replace(tmp, repo_root / name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loop.
+
+
+def batch_order(num_sequences: int, batch_size: int, epoch: int, seed: int, rank: int = 0, world: int = 1) -> list[list[int]]:
+    """This process's batches for `epoch`: a seeded shuffle, so a resumed run sees the same order."""
+    order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    batches = [order[i : i + batch_size] for i in range(0, num_sequences, batch_size)]
+    usable = len(batches) - len(batches) % world if len(batches) >= world else len(batches)
+    return batches[rank:usable:world]
+
+
+@torch.no_grad()
+def evaluate(draft, target, sequences: dict[str, list[Sequence]], *, num_anchors: int, weights: torch.Tensor,
+             pad_id: int, batch_size: int = 4, seed: int = 1234) -> dict[str, dict]:
+    """Held-out loss and teacher-forced tau per set, with fixed anchors so numbers compare across steps."""
+    draft.eval()
+    results = {}
+    for name, seqs in sequences.items():
+        generator = torch.Generator().manual_seed(seed)
+        losses, taus, blocks = [], [], 0
+        for i in range(0, len(seqs), batch_size):
+            batch = {k: v.to(target.device) for k, v in collate(seqs[i : i + batch_size], pad_id).items()}
+            loss, metrics = block_loss(draft, target, batch, num_anchors=num_anchors, generator=generator, weights=weights, distill_weight=0.0)
+            losses.append(float(loss))
+            if metrics["blocks"]:
+                taus.append(metrics["tau"] * metrics["blocks"])
+                blocks += metrics["blocks"]
+        results[name] = {"loss": sum(losses) / max(len(losses), 1), "tau": sum(taus) / max(blocks, 1)}
+    draft.train()
+    return results
+
+
+def train(
+    draft: DFlashDraftModel, target, train_sequences: list[Sequence], run_dir: Path, config: TrainConfig, *,
+    eval_sequences: dict[str, list[Sequence]] | None = None, pad_id: int = 0, accelerator=None, progress: bool = True,
+) -> dict:
+    """Trains `draft` in place against the frozen `target`, resuming from `run_dir/checkpoint.pt` if present.
+
+    Returns a summary with the last step, the last held-out evaluation and whether training finished.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    if not train_sequences:
+        raise ValueError("the training dataset is empty: no sequence has a response with at least two tokens")
+    accelerator = accelerator or Accelerator()
+    target.requires_grad_(False).eval().to(accelerator.device)
+    weights = loss_weights(draft.config.block_size, config.gamma or default_gamma(draft.config.block_size))
+    steps_per_epoch = len(batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes))
+    total_steps = config.max_steps or steps_per_epoch * config.epochs
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, config.warmup_ratio))
+    step, history = 0, []
+    checkpoint_path = Path(run_dir) / CHECKPOINT_NAME
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+        if state["draft_config"] != draft.config.to_dict():
+            raise ValueError(f"{checkpoint_path} was written for a different draft config; use another --run-dir")
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, history = state["step"], state["history"]
+        logger.info("resumed from %s at step %d", checkpoint_path, step)
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    model = accelerator.unwrap_model(draft)
+    model.train()
+
+    def save() -> None:
+        if accelerator.is_main_process:
+            state = {"draft": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                     "step": step, "history": history, "draft_config": model.config.to_dict(), "train_config": asdict(config)}
+            atomic_torch_save(state, checkpoint_path)
+        accelerator.wait_for_everyone()
+
+    def run_eval() -> None:
+        if eval_sequences and accelerator.is_main_process:
+            result = evaluate(model, target, eval_sequences, num_anchors=config.num_anchors, weights=weights, pad_id=pad_id)
+            history.append({"step": step, **{f"{k}/{m}": v[m] for k, v in result.items() for m in v}})
+            logger.info("step %d held-out (teacher-forced, target-greedy): %s", step,
+                        "  ".join(f"{k} tau {v['tau']:.2f} loss {v['loss']:.3f}" for k, v in result.items()))
+
+    start_time, finished = time.monotonic(), True
+    bar = tqdm(total=total_steps, initial=step, desc="training draft", unit="step", disable=not progress or not accelerator.is_main_process)
+    if step == 0:
+        run_eval()
+    while step < total_steps:
+        if config.stop_after is not None and step >= config.stop_after or (
+            config.time_budget_s is not None and time.monotonic() - start_time > config.time_budget_s):
+            finished = False
+            break
+        epoch, index = divmod(step, steps_per_epoch)
+        ids = batch_order(len(train_sequences), config.batch_size, epoch, config.seed, accelerator.process_index, accelerator.num_processes)[index]
+        batch = {k: v.to(accelerator.device) for k, v in collate([train_sequences[i] for i in ids], pad_id).items()}
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
+        t0 = time.monotonic()
+        loss, metrics = block_loss(draft, target, batch,
+                                   num_anchors=config.num_anchors, generator=generator, weights=weights,
+                                   distill_weight=config.distill_weight, label_source=config.label_source)
+        accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_per_s = int(batch["lengths"].sum()) / (time.monotonic() - t0)
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc1=f"{metrics['accuracy_1']:.2f}", tau=f"{metrics['tau']:.2f}",
+                        tok_s=f"{tokens_per_s:.0f}", lr=f"{scheduler.get_last_lr()[0]:.1e}", gnorm=f"{float(grad_norm):.2f}")
+        if step % config.save_every == 0:
+            save()
+        if config.eval_every and step % config.eval_every == 0:
+            run_eval()
+    bar.close()
+    save()
+    if finished and (not history or history[-1]["step"] != step):
+        run_eval()
+    return {"step": step, "finished": finished, "history": history}
+
+
+@torch.no_grad()
+def measure_acceptance(draft, target, tokenizer, examples: list[dict], *, max_new_tokens: int = 64,
+                       block_size: int | None = None, max_prompt_tokens: int = 256) -> float:
+    """Mean acceptance length (bonus included) of real greedy `spec_generate` runs over `examples`' prompts."""
+    from .data import encode_prompt
+
+    stop = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int)]
+    lengths = []
+    for example in examples:
+        ids = torch.tensor([encode_prompt(tokenizer, example["messages"], max_prompt_tokens)], device=target.device)
+        out = draft.spec_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop, block_size=block_size, return_stats=True)
+        lengths += out.acceptance_lengths
+    return sum(lengths) / max(len(lengths), 1)
