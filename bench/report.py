@@ -1,0 +1,155 @@
+"""Summaries, the printed table, the JSON file and the PNG plots.
+
+JSON schema (`schema_version` 1; keys are only ever added, under a new version):
+- `schema_version` (int), `tool` ("bench"), `created` (UTC ISO time), `command` (argv), `exit_status` (0, or 1 when
+  any output differs from plain greedy decoding at temperature 0);
+- `config`: the run's settings, including `seed`, `temperature`, `block_sizes`, `max_new_tokens`, `max_samples`;
+- `environment`: python, torch, transformers and mlx versions, platform, CPU threads;
+- `models`: `target` and `draft` paths (null for the embedded default) and parameter counts;
+- `skipped`: `[{method, block_size, reason}]` for methods that could not run here;
+- `summary`: one row per dataset, method and block size: `dataset`, `method`, `block_size` (null for block-free
+  methods), `samples`, `output_tokens`, `seconds`, `tokens_per_second` (total tokens / total seconds), `speedup`
+  (against the baseline on the same dataset), `mean_acceptance_length` (tau, counting the bonus token),
+  `acceptance_histogram` (entry i counts verify steps with tau = i + 1), `mean_ttft_seconds`, `peak_rss_mib` (max
+  over calls), `mismatches` (outputs differing from the baseline; null when sampling);
+- `records`: one per dataset, method, block size, prompt and turn: `dataset`, `method`, `block_size`, `prompt_id`,
+  `turn`, `input_tokens`, `output_tokens`, `seconds`, `tokens_per_second`, `ttft_seconds`, `acceptance_lengths`
+  (per verify step), `peak_rss_mib`, `output_sha1`, `matches_plain`, `first_mismatch`.
+"""
+
+import io
+from collections import defaultdict
+
+from bench.io import write_bytes_atomic
+
+SCHEMA_VERSION = 1
+SUMMARY_KEYS = (
+    "dataset", "method", "block_size", "samples", "output_tokens", "seconds", "tokens_per_second", "speedup",
+    "mean_acceptance_length", "acceptance_histogram", "mean_ttft_seconds", "peak_rss_mib", "mismatches",
+)
+
+
+def histogram(lengths: list[int], block_size: int | None) -> list[int]:
+    """Counts of each acceptance length 1..max(block_size, longest seen)."""
+    counts = [0] * max(block_size or 1, max(lengths, default=1))
+    for length in lengths:
+        counts[length - 1] += 1
+    return counts
+
+
+def summarize_group(records: list[dict]) -> dict:
+    """Totals of one dataset, method and block size."""
+    first = records[0]
+    lengths = [n for r in records for n in (r["acceptance_lengths"] or [])]
+    ttfts = [r["ttft_seconds"] for r in records if r["ttft_seconds"] is not None]
+    matches = [r["matches_plain"] for r in records]
+    tokens, seconds = sum(r["output_tokens"] for r in records), sum(r["seconds"] for r in records)
+    return {
+        "dataset": first["dataset"], "method": first["method"], "block_size": first["block_size"],
+        "samples": len(records), "output_tokens": tokens, "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0, "speedup": None,
+        "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else None,
+        "acceptance_histogram": histogram(lengths, first["block_size"]),
+        "mean_ttft_seconds": sum(ttfts) / len(ttfts) if ttfts else None,
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in records),
+        "mismatches": None if None in matches else matches.count(False),
+    }
+
+
+def summarize(records: list[dict], baseline: str) -> list[dict]:
+    """Summary rows in first-seen order, with speedups against the baseline of the same dataset."""
+    groups = defaultdict(list)
+    for record in records:
+        groups[record["dataset"], record["method"], record["block_size"]].append(record)
+    rows = [summarize_group(group) for group in groups.values()]
+    base = {r["dataset"]: r["tokens_per_second"] for r in rows if r["method"] == baseline}
+    for row in rows:
+        row["speedup"] = row["tokens_per_second"] / base[row["dataset"]] if base.get(row["dataset"]) else None
+    return rows
+
+
+def total_mismatches(rows: list[dict]) -> int:
+    return sum(row["mismatches"] or 0 for row in rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Text
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def one_line(row: dict) -> str:
+    """gpt-fast-style summary of one method."""
+    label = row["method"] if row["block_size"] is None else f"{row['method']} (block {row['block_size']})"
+    return (
+        f"{row['dataset']} | {label}: {fmt(row['tokens_per_second'], '.2f')} tok/s, {fmt(row['speedup'], '.2f')}x vs plain, "
+        f"acceptance length {fmt(row['mean_acceptance_length'], '.2f')}, TTFT {fmt(row['mean_ttft_seconds'], '.3f')} s, "
+        f"peak RSS {row['peak_rss_mib']:.0f} MiB, {fmt(row['mismatches'], 'd')}/{row['samples']} outputs differ"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    """A fixed-width table of the summary rows."""
+    header = ("dataset", "method", "block", "tok/s", "speedup", "accept", "TTFT s", "RSS MiB", "differ")
+    lines = [
+        (r["dataset"], r["method"], fmt(r["block_size"], "d"), fmt(r["tokens_per_second"], ".2f"), fmt(r["speedup"], ".2f"),
+         fmt(r["mean_acceptance_length"], ".2f"), fmt(r["mean_ttft_seconds"], ".3f"), f"{r['peak_rss_mib']:.0f}",
+         f"{fmt(r['mismatches'], 'd')}/{r['samples']}")
+        for r in rows
+    ]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [header, *lines])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def save_figure(fig, path) -> None:
+    """PNG bytes in memory first, then an atomic write."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def plot_histograms(rows: list[dict], path) -> None:
+    """Share of verify steps by acceptance length, one panel per dataset, one bar group per speculative method."""
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    fig, axes = plt.subplots(len(datasets), 1, figsize=(8, 3 * len(datasets)), squeeze=False)
+    for ax, dataset in zip(axes[:, 0], datasets):
+        spec = [r for r in rows if r["dataset"] == dataset and r["block_size"] is not None and sum(r["acceptance_histogram"])]
+        width = 0.8 / max(len(spec), 1)
+        for i, row in enumerate(spec):
+            counts, total = row["acceptance_histogram"], sum(row["acceptance_histogram"])
+            ax.bar([k + 1 + i * width for k in range(len(counts))], [c / total for c in counts], width, label=f"{row['method']} b{row['block_size']}")
+        ax.set(title=f"{dataset}: acceptance length (tokens per verify step, counting the bonus)", xlabel="acceptance length", ylabel="share of steps")
+        if spec:
+            ax.legend(fontsize="small")
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_speedup(rows: list[dict], path) -> None:
+    """Speedup against plain decoding by block size, one line per dataset and method."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lines = defaultdict(list)
+    for row in rows:
+        if row["block_size"] is not None and row["speedup"] is not None:
+            lines[row["dataset"], row["method"]].append((row["block_size"], row["speedup"]))
+    for (dataset, method), points in lines.items():
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=f"{dataset} / {method}")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set(xscale="log", xlabel="block size", ylabel="speedup vs plain", title="Speedup by block size and dataset")
+    ax.set_xticks(sorted({x for points in lines.values() for x, _ in points}) or [1])
+    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    if lines:
+        ax.legend(fontsize="small")
+    save_figure(fig, path)
+    plt.close(fig)

@@ -1,0 +1,186 @@
+"""`python -m bench`: DFlash against the baselines users would pick, on the same prompts, in one run."""
+
+import argparse
+import datetime
+import platform
+import sys
+from pathlib import Path
+
+from bench import report
+from bench.datasets import BUILTIN, load_prompts
+from bench.harness import build_variants, run_dataset, warm_up
+from bench.io import write_json_atomic, write_text_atomic
+from bench.methods import BLOCK_FREE, TORCH_METHODS, Context
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BASELINE = {"torch": "plain", "mlx": "mlx-plain"}
+NO_DRAFT = {"plain", "prompt-lookup", "mlx-plain"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--target", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="DFlash draft folder (default: this repository's root)")
+    p.add_argument("--dataset", default="mt-bench", help=f"comma-separated: {', '.join(BUILTIN)} or JSONL paths")
+    p.add_argument("--max-samples", type=int, default=20, help="prompts per dataset (default 20; 0 for all)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per assistant turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (outputs are then checked against plain)")
+    p.add_argument("--block-size", type=int, help="draft block size (default: the draft's config)")
+    p.add_argument("--sweep-block-size", help="comma-separated block sizes to compare, e.g. 2,4,8,16")
+    p.add_argument("--methods", help="comma-separated methods (default: all for the backend; the baseline is always run)")
+    p.add_argument("--backend", choices=sorted(BASELINE), default="torch", help="torch, or mlx for the MLX port")
+    p.add_argument("--out", type=Path, default=Path("results"), help="output folder for results.json and the plots")
+    p.add_argument("--seed", type=int, default=0, help="seed reset before every generation")
+    p.add_argument("--dtype", default="float32", help="torch dtype of target and draft")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    return p.parse_args(argv)
+
+
+def method_table(backend: str) -> dict:
+    if backend == "mlx":
+        from bench.mlx_methods import MLX_METHODS
+
+        return MLX_METHODS
+    return TORCH_METHODS
+
+
+def selected_methods(args: argparse.Namespace, factories: dict) -> list[str]:
+    """The requested methods, baseline first; unknown names are an error."""
+    names = args.methods.split(",") if args.methods else list(factories)
+    unknown = sorted(set(names) - set(factories))
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {sorted(factories)}")
+    baseline = BASELINE[args.backend]
+    return [baseline] + [n for n in names if n != baseline]
+
+
+def load_torch_models(args: argparse.Namespace, need_draft: bool) -> tuple:
+    """(target, tokenizer, draft); the draft is our `DFlashDraftModel`, which reads z-lab checkpoints too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.target:
+        target, tokenizer = AutoModelForCausalLM.from_pretrained(args.target, dtype=args.dtype).eval(), AutoTokenizer.from_pretrained(args.target)
+    else:
+        from default_target import load_default_target
+
+        target, tokenizer = load_default_target(args.dtype)
+    if not need_draft:
+        return target, tokenizer, None
+    from modeling_dflash import DFlashDraftModel
+
+    draft_path = args.draft or REPO_ROOT
+    try:
+        draft = DFlashDraftModel.from_pretrained(draft_path, dtype=args.dtype).eval()
+    except OSError as error:
+        raise SystemExit(f"cannot load a DFlash draft from {draft_path}: {error}") from error
+    return target, tokenizer, draft
+
+
+def load_mlx_models(args: argparse.Namespace, need_draft: bool) -> tuple:
+    from bench.mlx_methods import load_mlx
+
+    target_path = args.target
+    if target_path is None:
+        from default_target import default_target_path
+
+        target_path = str(default_target_path())
+    return load_mlx(target_path, str(args.draft or REPO_ROOT) if need_draft else None)
+
+
+def stop_token_ids(target, tokenizer) -> list[int]:
+    """EOS ids of the target's generation config and of the tokenizer."""
+    ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return sorted({i for i in ids + [getattr(tokenizer, "eos_token_id", None)] if i is not None})
+
+
+def environment() -> dict:
+    """Versions that matter for the numbers."""
+    import torch
+    import transformers
+
+    env = {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+           "torch": torch.__version__, "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
+    try:
+        import mlx.core as mx
+
+        env["mlx"] = mx.__version__
+    except ImportError:
+        env["mlx"] = None
+    return env
+
+
+def block_sizes(args: argparse.Namespace, draft) -> list[int]:
+    if args.sweep_block_size:
+        return [int(b) for b in args.sweep_block_size.split(",")]
+    return [args.block_size or getattr(getattr(draft, "config", None), "block_size", None) or 16]
+
+
+def parameter_count(model) -> int | None:
+    if model is None:
+        return None
+    params = model.parameters()
+    if isinstance(params, dict):  # MLX gives a nested dict of arrays
+        from mlx.utils import tree_flatten
+
+        return sum(v.size for _, v in tree_flatten(params))
+    return sum(p.numel() for p in params)
+
+
+def run_config(args: argparse.Namespace, sizes: list[int], methods: list[str]) -> dict:
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return dict(config, block_sizes=sizes, methods=methods, datasets=args.dataset.split(","), baseline=BASELINE[args.backend])
+
+
+def write_outputs(out: Path, result: dict) -> None:
+    """results.json, summary.txt and the two plots, each written atomically."""
+    rows = result["summary"]
+    write_json_atomic(out / "results.json", result)
+    write_text_atomic(out / "summary.txt", report.table(rows) + "\n")
+    report.plot_histograms(rows, out / "acceptance_histogram.png")
+    report.plot_speedup(rows, out / "speedup.png")
+
+
+def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Loads models, measures every method on every dataset and returns the JSON-ready result."""
+    factories = method_table(args.backend)
+    methods = selected_methods(args, factories)
+    need_draft = any(m not in NO_DRAFT for m in methods)
+    load = load_mlx_models if args.backend == "mlx" else load_torch_models
+    target, tokenizer, draft = load(args, need_draft)
+    ctx = Context(target, tokenizer, draft, args.temperature, stop_token_ids(target, tokenizer), args.seed, args.backend, args.target, args.draft)
+    sizes, baseline = block_sizes(args, draft), BASELINE[args.backend]
+    variants, skipped = build_variants(ctx, factories, methods, sizes, BLOCK_FREE)
+    prompts = {name: load_prompts(name, args.max_samples or None) for name in args.dataset.split(",")}
+    variants, failed = warm_up(ctx, variants, next(iter(prompts.values()))[0], baseline)
+    for reason in skipped + failed:
+        print(f"skipped {reason['method']} (block {reason['block_size']}): {reason['reason']}", file=sys.stderr)
+    records = [r for name, ps in prompts.items() for r in run_dataset(ctx, variants, name, ps, args.max_new_tokens, baseline)]
+    summary = report.summarize(records, baseline)
+    return {
+        "schema_version": report.SCHEMA_VERSION, "tool": "bench",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": ["python", "-m", "bench", *argv], "exit_status": int(report.total_mismatches(summary) > 0),
+        "config": run_config(args, sizes, methods), "environment": environment(),
+        "models": {"target": args.target, "draft": args.draft, "target_parameters": parameter_count(target), "draft_parameters": parameter_count(draft)},
+        "skipped": skipped + failed, "summary": summary, "records": records,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; returns 1 when any output differs from plain greedy decoding at temperature 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = benchmark(args, argv)
+    write_outputs(args.out, result)
+    print(report.table(result["summary"]))
+    for row in result["summary"]:
+        print(report.one_line(row))
+    if result["exit_status"]:
+        print(f"FAIL: {report.total_mismatches(result['summary'])} output(s) differ from plain greedy decoding", file=sys.stderr)
+    print(f"wrote {args.out / 'results.json'}, summary.txt, acceptance_histogram.png, speedup.png")
+    return result["exit_status"]

@@ -1,0 +1,166 @@
+"""The benchmark harness end to end on a tiny random target and draft (seconds, CPU, no network)."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from bench import methods, report
+from bench.datasets import EXPECTED_COUNTS, load_prompts
+from bench.harness import first_difference, truncate
+from bench.methods import Generation, TargetTracer
+from bench.mlx_methods import acceptance_from_flags
+from bench.run import main
+from conftest import VOCAB, make_draft, make_target
+
+CHARS = " abcdefghijklmnopqrstuvwxyz.,?!'\n<>/0123456789"
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer inside the tiny vocab, with a chat template; unknown characters map to `[UNK]`."""
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    assert len(vocab) < VOCAB - 1  # the last id is the draft's mask token
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny target (with tokenizer) and draft saved to disk, as a user would pass them."""
+    root = tmp_path_factory.mktemp("models")
+    target = make_target("llama", initializer_range=0.2)
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    make_draft().save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    """Two prompts, one of them two-turn, in the user JSONL format."""
+    path = tmp_path_factory.mktemp("data") / "mine.jsonl"
+    rows = [{"id": "a", "turns": ["hello there, how are you?", "and now?"]}, {"prompt": "count to ten."}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bench_args(model_dirs, prompts_file, out, *extra) -> list[str]:
+    target, draft = model_dirs
+    return ["--target", str(target), "--draft", str(draft), "--dataset", str(prompts_file), "--max-new-tokens", "12",
+            "--out", str(out), "--threads", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def sweep_result(model_dirs, prompts_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    status = main(bench_args(model_dirs, prompts_file, out, "--sweep-block-size", "2,4", "--methods", "plain,spec-generate,prompt-lookup,hf-dflash,assisted"))
+    return status, out, json.loads((out / "results.json").read_text())
+
+
+def test_end_to_end_lossless(sweep_result):
+    status, out, result = sweep_result
+    assert status == 0 and result["exit_status"] == 0
+    rows = {(r["method"], r["block_size"]): r for r in result["summary"]}
+    assert {("plain", None), ("spec-generate", 2), ("spec-generate", 4), ("prompt-lookup", 2)} <= set(rows)
+    assert all(r["mismatches"] == 0 for r in result["summary"])
+    assert rows["plain", None]["speedup"] == pytest.approx(1.0)
+    assert rows["plain", None]["mean_acceptance_length"] == 1.0
+    assert 1.0 <= rows["spec-generate", 4]["mean_acceptance_length"] <= 4
+    assert len(rows["spec-generate", 4]["acceptance_histogram"]) == 4
+    methods_run = {r["method"] for r in result["records"]}
+    skipped = {s["method"] for s in result["skipped"]}
+    assert {"assisted", "hf-dflash"} <= methods_run | skipped  # each either ran losslessly or says why not
+
+
+def test_json_schema_is_stable(sweep_result):
+    _, _, result = sweep_result
+    assert result["schema_version"] == report.SCHEMA_VERSION == 1
+    assert set(result) == {"schema_version", "tool", "created", "command", "exit_status", "config", "environment", "models", "skipped", "summary", "records"}
+    assert set(result["summary"][0]) == set(report.SUMMARY_KEYS)
+    assert set(result["records"][0]) == {
+        "dataset", "method", "block_size", "prompt_id", "turn", "input_tokens", "output_tokens", "seconds", "tokens_per_second",
+        "ttft_seconds", "acceptance_lengths", "peak_rss_mib", "output_sha1", "matches_plain", "first_mismatch",
+    }
+    assert result["config"]["seed"] == 0 and result["config"]["block_sizes"] == [2, 4]
+    # three turns (two-turn prompt plus one-turn prompt) per method and block size
+    assert sum(1 for r in result["records"] if r["method"] == "spec-generate" and r["block_size"] == 2) == 3
+    assert all(0 < r["ttft_seconds"] <= r["seconds"] for r in result["records"])
+
+
+def test_plots_written(sweep_result):
+    _, out, _ = sweep_result
+    for name in ("acceptance_histogram.png", "speedup.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "spec-generate" in (out / "summary.txt").read_text()
+
+
+def wrong_method(ctx, block_size):
+    """Plain decoding with its third token changed: a deliberately lossy method."""
+    run = methods.plain(ctx, block_size)
+
+    def broken(input_ids, max_new_tokens):
+        out = run(input_ids, max_new_tokens)
+        tokens = out.new_tokens[:2] + [(t + 1) % VOCAB for t in out.new_tokens[2:3]] + out.new_tokens[3:]
+        return Generation(tokens, out.acceptance_lengths, out.first_token_time)
+
+    return broken
+
+
+def test_mismatch_exits_nonzero(model_dirs, prompts_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(methods.TORCH_METHODS, "wrong", wrong_method)
+    status = main(bench_args(model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "wrong"))
+    result = json.loads((tmp_path / "results.json").read_text())
+    wrong = [r for r in result["records"] if r["method"] == "wrong"]
+    assert status == 1 and result["exit_status"] == 1
+    assert all(r["matches_plain"] is False and r["first_mismatch"] == 2 for r in wrong)
+    assert "FAIL" in capsys.readouterr().err
+
+
+def test_tracer_matches_spec_generate_stats():
+    """Acceptance lengths recovered from target calls agree with the ones spec_generate reports."""
+    target, draft = make_target("llama", initializer_range=0.2), make_draft()
+    ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
+    with TargetTracer(target) as tracer:
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=40, block_size=4, return_stats=True)
+    traced = tracer.acceptance_lengths(out.output_ids.shape[1])
+    assert traced[:-1] == out.acceptance_lengths[:-1] and traced[-1] <= out.acceptance_lengths[-1]
+    assert tracer.first_end is not None
+
+
+def test_helpers():
+    assert truncate([5, 6, 2, 7], [2], 10) == [5, 6, 2]
+    assert truncate([5, 6, 7], [2], 2) == [5, 6]
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert acceptance_from_flags([False, True, True, False, False, True]) == [3, 1, 1]
+    assert report.histogram([1, 3, 3], 4) == [1, 0, 2, 0]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_COUNTS))
+def test_prompt_sets_have_documented_counts(name):
+    prompts = load_prompts(name)
+    assert len(prompts) == EXPECTED_COUNTS[name]
+    assert all(set(p) == {"id", "turns", "source"} and p["turns"] for p in prompts)
+    assert len({p["id"] for p in prompts}) == len(prompts)
+    assert all(len(p["turns"]) == 2 for p in prompts) if name == "mt-bench" else True
+    assert len(load_prompts(name, limit=5)) == 5
+
+
+def test_user_jsonl_and_bad_names(prompts_file, tmp_path):
+    assert load_prompts(str(prompts_file)) == [
+        {"id": "a", "turns": ["hello there, how are you?", "and now?"], "source": "mine"},
+        {"id": "1", "turns": ["count to ten."], "source": "mine"},
+    ]
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_prompts("no-such-set")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": []}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        load_prompts(str(bad))
