@@ -1,0 +1,174 @@
+"""The DFlash draft in MLX: Qwen3-style layers whose keys and values also see projected target hidden states.
+
+Module names equal the checkpoint keys of the torch `DFlashDraftModel` (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`),
+so a raw Hugging Face draft folder and a converted one load through the same `Model` with a tiny `sanitize`.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3
+from mlx_lm.models.cache import ChunkedKVCache, KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+
+@dataclass
+class ModelArgs(qwen3.ModelArgs):
+    """A Qwen3 config plus the DFlash fields, read as the published checkpoints store them."""
+
+    head_dim: Optional[int] = None
+    tie_word_embeddings: bool = False
+    block_size: int = 16
+    num_target_layers: Optional[int] = None
+    dflash_config: Optional[dict] = None
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: Optional[int] = None
+    max_window_layers: int = 28
+    layer_types: Optional[list] = None
+
+    def __post_init__(self):
+        super().__post_init__()  # reads `rope_theta` from `rope_parameters` in transformers-5 configs
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.dflash_config = dict(self.dflash_config or {})
+        # transformers' Qwen3Config drops `sliding_window` unless `use_sliding_window` is set; so does the torch draft
+        self.sliding_window = self.sliding_window if self.use_sliding_window else None
+        if self.layer_types is None:
+            sliding = self.sliding_window is not None
+            self.layer_types = [
+                "sliding_attention" if sliding and i >= self.max_window_layers else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.dflash_config.get("target_layer_ids") or [])
+
+    @property
+    def mask_token_id(self) -> Optional[int]:
+        return self.dflash_config.get("mask_token_id")
+
+
+def sliding_window_mask(query_pos: mx.array, key_pos: mx.array, window: int) -> mx.array:
+    """Boolean `[q, k]` mask (True = visible) hiding keys `window` or more positions before the query (non-causal)."""
+    return (query_pos[:, None] - key_pos[None, :]) < window
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from `[cached context ; new context ; block]`, with no causal mask."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        dim, head_dim, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = head_dim**-0.5
+        is_sliding = args.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = args.sliding_window if is_sliding else None
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            head_dim,
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def _heads(self, x: mx.array, n_heads: int) -> mx.array:
+        return x.reshape(*x.shape[:2], n_heads, -1).transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: Optional[Any] = None) -> mx.array:
+        B, L, _ = x.shape
+        n_ctx, start = context.shape[1], cache.offset if cache is not None else 0
+        # the context skips `input_layernorm`: `hidden_norm` normed it already
+        kv_input = mx.concatenate([context, x], axis=1)
+        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start + n_ctx)
+        keys = self.rope(self.k_norm(self._heads(self.k_proj(kv_input), self.n_kv_heads)), offset=start)
+        values = self._heads(self.v_proj(kv_input), self.n_kv_heads)
+        if cache is not None:
+            # the cache keeps committed context only; the block is re-drafted next round
+            ctx_keys, ctx_values = cache.update_and_fetch(keys[:, :, :n_ctx], values[:, :, :n_ctx])
+            if isinstance(cache, ChunkedKVCache):
+                cache.maybe_trim_front()  # bounded memory: keep the newest `chunk_size` context tokens
+                ctx_keys, ctx_values = cache.keys_and_values()
+            keys = mx.concatenate([ctx_keys, keys[:, :, n_ctx:]], axis=2)
+            values = mx.concatenate([ctx_values, values[:, :, n_ctx:]], axis=2)
+        mask = None
+        if self.sliding_window is not None:
+            end = start + n_ctx + L
+            key_pos = mx.arange(end - keys.shape[2], end)
+            mask = sliding_window_mask(key_pos[-L:], key_pos, self.sliding_window)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.self_attn = DFlashAttention(args, layer_idx)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: Optional[Any] = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(nn.Module):
+    """The DFlash draft. It has no embedding and no head: callers embed with the target's table and read logits
+    through the target's head. Decoding lives in `mlx_port.generate`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DFlashDecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.sliding_window_size: Optional[int] = None  # set by `load_draft`; bounds the context cache
+
+    def __call__(self, noise_embeds: mx.array, target_hidden: mx.array, cache: Optional[list] = None) -> mx.array:
+        """
+        noise_embeds: `[batch, block, hidden]`, the target's embedding of `[last token, mask, ..., mask]`.
+        target_hidden: `[batch, ctx, len(target_layer_ids) * hidden]`, target features of the tokens committed since
+            the last call (all prompt tokens on the first call); their positions continue the cache's offset.
+        cache: from `make_cache`; it gains the new context and never the block.
+
+        Returns the normed hidden states `[batch, block, hidden]`.
+        """
+        context = self.hidden_norm(self.fc(target_hidden))
+        h = noise_embeds
+        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+            h = layer(h, context, c)
+        return self.norm(h)
+
+    def make_cache(self, sliding_window_size: Optional[int] = None) -> list:
+        """One context cache per layer, bounded by `sliding_window_size` and by a sliding layer's own window."""
+        window = sliding_window_size or self.sliding_window_size
+        caches = []
+        for layer in self.layers:
+            bounds = [w for w in (window, layer.self_attn.sliding_window) if w]
+            caches.append(ChunkedKVCache(min(bounds)) if bounds else KVCache())
+        return caches
+
+    def sanitize(self, weights: dict) -> dict:
+        """Accepts a `model.` prefix (some exports) and drops rotary buffers; other names load as they are."""
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        return {k: v for k, v in weights.items() if "rotary_emb" not in k}
+
+    @property
+    def mask_token_id(self) -> Optional[int]:
+        return self.args.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.args.target_layer_ids
