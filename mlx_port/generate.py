@@ -1,0 +1,389 @@
+"""DFlash speculative decoding on MLX: `stream_generate`, `generate` and `python -m mlx_port.generate`.
+
+Each round drafts a block `[last token, MASK x (B-1)]` in one draft pass, verifies it in one target pass, keeps the
+longest prefix the target agrees with plus the target's own next token, and rolls the target cache back to that
+prefix. Sampling uses the one-hot rule: the draft proposes its argmax, the target samples every block position, and
+draft tokens are kept while they equal the target's samples, so the output has exactly the target's distribution.
+
+    python -m mlx_port.generate --model TARGET --draft-model draft-mlx --prompt "..." --max-tokens 256 --temp 0.0
+"""
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Iterator, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.models.cache import ArraysCache, ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler, make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .model import Model
+
+Sampler = Callable[[mx.array], mx.array]
+TRIMMABLE_CACHES = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+
+
+@dataclass
+class GenerationResponse:
+    """What `stream_generate` yields: one response per round (the first carries the prefill's token).
+
+    Args:
+        text: the next segment of decoded text (can be empty).
+        token: the last token of this round; `tokens`: every token this round committed (a stop token included).
+        accepted: drafted tokens the target kept this round (the acceptance length, tau, is `accepted + 1`).
+        prompt_tokens, prompt_tps: prompt length and prefill speed.
+        generation_tokens, generation_tps: tokens generated so far and their rate after the first one.
+        peak_memory: peak memory so far in GB.
+        finish_reason: "stop" (a stop token), "length" (`max_tokens`) or None.
+    """
+
+    text: str
+    token: int
+    tokens: list[int]
+    accepted: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The target's parts and the checks, all before any compute.
+
+
+def decoder_layers(model: nn.Module) -> list:
+    """The inner `model.model.layers` list; on some models `model.layers` is a property returning a new list."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, list):
+        raise ValueError(f"DFlash needs an mlx-lm model with `model.model.layers`; {type(model).__name__} has none")
+    return layers
+
+
+def target_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The target's output head (its `lm_head`, or the tied embedding) applied to hidden states."""
+    owner = getattr(model, "language_model", model)
+    head = getattr(owner, "lm_head", None)
+    return head if head is not None else model.model.embed_tokens.as_linear
+
+
+def check_draft_fits_target(draft: Model, model: nn.Module) -> None:
+    """Raises a ValueError naming the first mismatch between the draft's config and the target."""
+    args, num_layers = draft.args, len(decoder_layers(model))
+    embed = model.model.embed_tokens
+    vocab_size, hidden_size = embed.weight.shape[0], embed(mx.array([0])).shape[-1]
+    if args.hidden_size != hidden_size:
+        raise ValueError(f"draft hidden_size {args.hidden_size} does not match the target's {hidden_size}")
+    if args.vocab_size != vocab_size:
+        raise ValueError(f"draft vocab_size {args.vocab_size} does not match the target's {vocab_size}")
+    if args.num_target_layers is not None and args.num_target_layers != num_layers:
+        raise ValueError(f"draft num_target_layers {args.num_target_layers} does not match the target's {num_layers}")
+    ids = args.target_layer_ids
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_layers - 1:
+        raise ValueError(
+            f"target_layer_ids {ids} must be sorted, unique and in [0, {num_layers - 1}) for a {num_layers}-layer target"
+        )
+    if args.mask_token_id is None or not 0 <= args.mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id {args.mask_token_id} is outside the target's vocab of {vocab_size}")
+
+
+def check_generation_inputs(prompt: mx.array, block_size: int) -> None:
+    if prompt.ndim != 1:
+        raise ValueError(f"DFlash decodes one sequence at a time; got a prompt of shape {prompt.shape}")
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty: DFlash needs at least one input token")
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2 (the last token plus one drafted token), got {block_size}")
+
+
+def check_target_cache(cache: list) -> bool:
+    """True when the target keeps recurrent state (ArraysCache) that must be restored and re-run after a rejection."""
+    unsupported = sorted({type(c).__name__ for c in cache if not isinstance(c, TRIMMABLE_CACHES + (ArraysCache,))})
+    if unsupported:
+        raise ValueError(
+            f"DFlash cannot roll back the target's {', '.join(unsupported)} cache after a rejected draft; supported "
+            "are KVCache, QuantizedKVCache and ConcatenateKVCache (trimmed) and ArraysCache (restored and re-run)"
+        )
+    return any(isinstance(c, ArraysCache) for c in cache)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hooks and pure helpers.
+
+
+class LayerCapture:
+    """Stands in for a target layer in its list: calls it and records its output."""
+
+    def __init__(self, layer: nn.Module, index: int, outputs: dict):
+        self.layer, self.index, self.outputs = layer, index, outputs
+
+    def __call__(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        self.outputs[self.index] = out
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)  # models read layer attributes such as qwen3_5's `is_linear`
+
+
+@contextlib.contextmanager
+def capture_layer_outputs(model: nn.Module, layer_ids: list[int]) -> Iterator[dict]:
+    """Records the outputs of `layer_ids` while open; the target's layer list is restored however it closes."""
+    layers, outputs = decoder_layers(model), {}
+    originals = {i: layers[i] for i in layer_ids}
+    try:
+        for i, layer in originals.items():
+            layers[i] = LayerCapture(layer, i, outputs)
+        yield outputs
+    finally:
+        for i, layer in originals.items():
+            layers[i] = layer
+
+
+def context_features(outputs: dict, layer_ids: list[int]) -> mx.array:
+    """Concatenates the captured outputs; layer `i`'s output is transformers' `hidden_states[i + 1]`."""
+    return mx.concatenate([outputs[i] for i in layer_ids], axis=-1)
+
+
+def accepted_length(draft_tokens: list[int], target_tokens: list[int]) -> int:
+    """Number of leading drafted tokens that equal the target's choice at the previous position."""
+    return next((i for i, (d, t) in enumerate(zip(draft_tokens, target_tokens)) if d != t), len(draft_tokens))
+
+
+def first_stop(tokens: list[int], stop_token_ids: set) -> Optional[int]:
+    """Index just after the first stop token in `tokens`, or None."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in stop_token_ids), None)
+
+
+def snapshot_states(cache: list) -> list:
+    """References to every ArraysCache's arrays; the models replace those arrays rather than write into them."""
+    return [(list(c.cache), c.left_padding, c.lengths) if isinstance(c, ArraysCache) else None for c in cache]
+
+
+def restore_states(cache: list, states: list) -> None:
+    for c, state in zip(cache, states):
+        if state is not None:
+            c.cache, c.left_padding, c.lengths = list(state[0]), state[1], state[2]
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, list[int], mx.array]) -> mx.array:
+    """As mlx_lm's `stream_generate`: a string is tokenized (adding BOS unless present), token ids are kept."""
+    if isinstance(prompt, mx.array):
+        return prompt
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    return mx.array(prompt, dtype=mx.uint32)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loop.
+
+
+def dflash_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    draft: Model,
+    *,
+    block_size: Optional[int] = None,
+    sampler: Optional[Sampler] = None,
+    sliding_window_size: Optional[int] = None,
+    prefill_step_size: int = 2048,
+) -> Generator[tuple[list[int], int], None, None]:
+    """Yields `(tokens, accepted)` per round without end: first the prefill's token, then each verified block.
+
+    Args:
+        prompt: `[prompt_len]` token ids.
+        model: an mlx-lm target whose hidden states `draft` was trained on.
+        draft: a DFlash draft from `load_draft`.
+        block_size: tokens per block, including the last committed token; defaults to the draft's `block_size`.
+        sampler: maps `[n, vocab]` log-probabilities to `[n]` tokens; greedy by default.
+        sliding_window_size: bounds the draft's context cache; defaults to the value given to `load_draft`.
+        prefill_step_size: prompt tokens per prefill pass.
+    """
+    block_size = block_size or draft.args.block_size
+    check_generation_inputs(prompt, block_size)
+    check_draft_fits_target(draft, model)
+    cache = make_prompt_cache(model)
+    is_hybrid = check_target_cache(cache)
+    draft_cache = draft.make_cache(sliding_window_size)
+    sampler = sampler or greedy_sampler
+    layer_ids, embed, head = draft.target_layer_ids, model.model.embed_tokens, target_head(model)
+    masks = [draft.mask_token_id] * (block_size - 1)
+
+    def sample(logits: mx.array) -> mx.array:
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def prefill(outputs: dict) -> tuple[mx.array, mx.array]:
+        features = []
+        for start in range(0, prompt.size, prefill_step_size):
+            logits = model(prompt[None, start : start + prefill_step_size], cache=cache)
+            features.append(context_features(outputs, layer_ids))
+            mx.eval(features[-1], [c.state for c in cache])
+        return sample(logits[0, -1:]), mx.concatenate(features, axis=1)
+
+    def draft_block(last: int, context: mx.array) -> mx.array:
+        hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)
+        return mx.argmax(head(hidden[:, 1:]), axis=-1)[0]
+
+    def rewind(num_rejected: int, states: Optional[list], kept: mx.array) -> None:
+        if num_rejected == 0:
+            return
+        if states is None:
+            for c in cache:
+                c.trim(num_rejected)  # drop the rejected tail: its keys came from wrong tokens
+            return
+        # recurrent state cannot be cropped: restore the pre-verify state and re-run the kept prefix
+        restore_states(cache, states)
+        for c in cache:
+            if not isinstance(c, ArraysCache):
+                c.trim(block_size)
+        model(kept[None], cache=cache)
+
+    with mx.stream(generation_stream), capture_layer_outputs(model, layer_ids) as outputs:
+        token, context = prefill(outputs)
+        last = token.item()
+        yield [last], 0
+        while True:
+            drafted = draft_block(last, context)
+            # verify: the target scores `[last, d_1 .. d_{B-1}]`; `last` is not yet in its cache
+            verify = mx.concatenate([mx.array([last], dtype=drafted.dtype), drafted])
+            states = snapshot_states(cache) if is_hybrid else None
+            chosen = sample(model(verify[None], cache=cache)[0])
+            proposed, target_tokens = drafted.tolist(), chosen.tolist()
+            accepted = accepted_length(proposed, target_tokens[:-1])
+            context = context_features(outputs, layer_ids)[:, : accepted + 1]
+            rewind(block_size - accepted - 1, states, verify[: accepted + 1])
+            new_tokens = proposed[:accepted] + [target_tokens[accepted]]
+            last = new_tokens[-1]
+            yield new_tokens, accepted
+
+
+def stream_generate(
+    model: nn.Module,
+    draft: Model,
+    tokenizer: Any,
+    prompt: Union[str, list[int], mx.array],
+    *,
+    block_size: Optional[int] = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    sampler: Optional[Sampler] = None,
+    sliding_window_size: Optional[int] = None,
+    prefill_step_size: int = 2048,
+) -> Generator[GenerationResponse, None, None]:
+    """Generates with `model`, drafting blocks with `draft`; like mlx_lm's `stream_generate`, one response per round.
+
+    Output equals the target's own decoding: identical tokens at `temperature=0`, the same distribution above it.
+    `sampler` (mlx-lm's `make_sampler`) overrides `temperature`. Generation ends at the first of the tokenizer's
+    `eos_token_ids`, even inside a block, or after exactly `max_tokens` tokens.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompt = encode_prompt(tokenizer, prompt)
+    check_generation_inputs(prompt, block_size or draft.args.block_size)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    steps = dflash_generate_step(
+        prompt,
+        model,
+        draft,
+        block_size=block_size,
+        sampler=sampler or make_sampler(temperature),
+        sliding_window_size=sliding_window_size,
+        prefill_step_size=prefill_step_size,
+    )
+    detokenizer, stops, num_tokens = tokenizer.detokenizer, tokenizer.eos_token_ids, 0
+    with wired_limit(model, [generation_stream]):
+        tic = time.perf_counter()
+        try:
+            for tokens, accepted in steps:
+                if num_tokens == 0:
+                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    tic = time.perf_counter()
+                tokens = tokens[: max_tokens - num_tokens]
+                stop = first_stop(tokens, stops)
+                tokens, num_tokens = tokens[:stop], num_tokens + len(tokens[:stop])
+                for t in tokens if stop is None else tokens[:-1]:
+                    detokenizer.add_token(t)
+                finish = "stop" if stop is not None else "length" if num_tokens == max_tokens else None
+                if finish is not None:
+                    detokenizer.finalize()
+                yield GenerationResponse(
+                    text=detokenizer.last_segment,
+                    token=tokens[-1],
+                    tokens=tokens,
+                    accepted=accepted,
+                    prompt_tokens=prompt.size,
+                    prompt_tps=prompt_tps,
+                    generation_tokens=num_tokens,
+                    generation_tps=(num_tokens - 1) / max(time.perf_counter() - tic, 1e-9),
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    finish_reason=finish,
+                )
+                if finish is not None:
+                    return
+        finally:
+            steps.close()  # removes the layer hooks now, not when the generator is collected
+
+
+def generate(model: nn.Module, draft: Model, tokenizer: Any, prompt: Union[str, list[int], mx.array], **kwargs) -> str:
+    """The whole response text; `kwargs` go to `stream_generate`."""
+    return "".join(r.text for r in stream_generate(model, draft, tokenizer, prompt, **kwargs))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line.
+
+
+def configure_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Generate with an mlx-lm target and a DFlash draft.")
+    parser.add_argument("--model", required=True, help="Target: local mlx-lm folder or Hugging Face Hub id.")
+    parser.add_argument("--draft-model", required=True, help="DFlash draft folder (converted or raw) or Hub id.")
+    parser.add_argument("--prompt", default="hello", help="Prompt text.")
+    parser.add_argument("--max-tokens", type=int, default=256, help="Maximum number of tokens to generate.")
+    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 is greedy).")
+    parser.add_argument("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's).")
+    parser.add_argument("--sliding-window-size", type=int, default=None, help="Bound on the draft's context cache.")
+    parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
+    parser.add_argument("--ignore-chat-template", action="store_true", help="Use the prompt as it is.")
+    parser.add_argument("--compare", action="store_true", help="Also run mlx-lm's plain generation and compare speed.")
+    return parser
+
+
+def main() -> None:
+    from mlx_lm import load
+    from mlx_lm import stream_generate as plain_stream_generate
+
+    from .utils import load_draft
+
+    args = configure_parser().parse_args()
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    model, tokenizer = load(args.model)
+    draft = load_draft(args.draft_model, sliding_window_size=args.sliding_window_size)
+    prompt = args.prompt
+    if tokenizer.has_chat_template and not args.ignore_chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    rounds = []
+    kwargs = dict(block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temp)
+    for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+        print(r.text, end="", flush=True)
+        rounds.append(r.accepted + 1)
+    tau = sum(rounds[1:]) / max(len(rounds) - 1, 1)  # the first response is the prefill's token, not a round
+    print(f"\nDFlash: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec, prompt {r.prompt_tps:.3f} "
+          f"tokens-per-sec, mean acceptance length {tau:.2f}, peak memory {r.peak_memory:.3f} GB")
+    if args.compare:
+        for p in plain_stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=make_sampler(args.temp)):
+            pass
+        print(f"mlx-lm: {p.generation_tokens} tokens, {p.generation_tps:.3f} tokens-per-sec; "
+              f"DFlash speed-up {r.generation_tps / p.generation_tps:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
