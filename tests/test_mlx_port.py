@@ -1,0 +1,577 @@
+"""mlx_port: conversion, losslessness against mlx-lm's own greedy decoding, partial acceptance, torch parity,
+quantized drafts, hybrid-target rollback, hook cleanup, the command-line tools and the error cases.
+
+Targets and drafts are tiny fp32 models (MLX matmul is slow on this CPU). The llama target and the draft are the
+torch models of conftest.py, saved and loaded through mlx-lm, so torch and MLX hold the same weights.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install mlx mlx-lm, plus mlx-cpu on Linux)")
+
+from conftest import MASK_ID, VOCAB, OracleDraft, make_draft, make_draft_config, make_target  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models import qwen3_5  # noqa: E402
+from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
+from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
+from mlx_lm.utils import load_model  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from modeling_dflash import DFlashDraftModel  # noqa: E402
+from mlx_port import load_draft, stream_generate  # noqa: E402
+from mlx_port.convert import convert  # noqa: E402
+from mlx_port.generate import LayerCapture, accepted_length, decoder_layers, target_head  # noqa: E402
+from mlx_port.model import Model, ModelArgs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [5, 6, 7]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fixtures: tiny targets, drafts and a word-level tokenizer, built in code.
+
+
+def make_tokenizer(eos_token: str | None = None) -> PreTrainedTokenizerFast:
+    """Token `i` is the word `w{i}`; no BOS, and no EOS unless asked, so runs go to `max_tokens`."""
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w3", eos_token=eos_token)
+
+
+def wrap(eos_ids: list[int] | None = None) -> TokenizerWrapper:
+    return TokenizerWrapper(make_tokenizer(), eos_token_ids=eos_ids)
+
+
+def save_torch_target(path: Path, **overrides) -> Path:
+    """A conftest llama target whose MASK embedding points at token 2, which the target often repeats: the random
+    draft then proposes 2 at mask positions and real drafts get accepted (acceptance lengths above 1)."""
+    target = make_target("llama", **overrides)
+    with torch.no_grad():
+        target.model.embed_tokens.weight[MASK_ID] = target.lm_head.weight[2] * 10
+    target.save_pretrained(path)
+    make_tokenizer(eos_token="w2").save_pretrained(path)
+    return path
+
+
+def to_mlx_draft(torch_draft: DFlashDraftModel, path: Path) -> Model:
+    torch_draft.save_pretrained(path)
+    return load_draft(str(path))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Torch's intra-op threads spin against MLX's on a shared 2-core machine (30 tokens took 22 s instead of 0.3 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mlx_port")
+
+
+@pytest.fixture(scope="module")
+def target_dir(work) -> Path:
+    return save_torch_target(work / "target")
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_model(target_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(work) -> Path:
+    make_draft().save_pretrained(work / "draft")
+    return work / "draft"
+
+
+@pytest.fixture(scope="module")
+def draft(draft_dir, work) -> Model:
+    return load_draft(str(convert(str(draft_dir), str(work / "draft-mlx"))))
+
+
+def mlx_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's own greedy decoding of the target."""
+    return [t for t, _ in generate_step(mx.array(prompt, dtype=mx.uint32), model, max_tokens=n)]
+
+
+def run(model, draft, prompt, **kwargs) -> tuple[list[int], list[int]]:
+    """All generated tokens and the acceptance length (tau, counting the bonus) of every round after the prefill."""
+    responses = list(stream_generate(model, draft, kwargs.pop("tokenizer", wrap()), prompt, **kwargs))
+    tokens = [t for r in responses for t in r.tokens]
+    assert responses[-1].generation_tokens == len(tokens)
+    return tokens, [r.accepted + 1 for r in responses[1:]]
+
+
+class MlxOracleDraft(Model):
+    """The MLX twin of conftest's OracleDraft: right for exactly `k` tokens per block, then wrong tokens.
+
+    It runs the real draft layers (so the context cache is exercised), then returns hidden states that the target's
+    square head maps to one-hot logits of the chosen tokens.
+    """
+
+    def setup(self, target, reference: list[int], k: int) -> "MlxOracleDraft":
+        head = np.array(target_head(target).weight, dtype=np.float64)
+        self.head_pinv = mx.array(np.linalg.pinv(head).T.astype(np.float32))
+        self.reference, self.k, self.calls, self.cache_sizes = reference, k, [], []
+        return self
+
+    def __call__(self, noise_embeds, target_hidden, cache=None):
+        super().__call__(noise_embeds, target_hidden, cache)
+        block, start = noise_embeds.shape[1], cache[0].offset  # the cache holds every committed token before the block
+        self.calls.append((target_hidden.shape[1], start))
+        self.cache_sizes.append(cache[0].keys_and_values()[0].shape[2])
+        tokens = [self.token_at(start + i, i) for i in range(block)]
+        return (mx.eye(VOCAB)[mx.array(tokens)] * 50.0 @ self.head_pinv)[None]
+
+    def token_at(self, position: int, offset: int) -> int:
+        right = self.reference[position] if position < len(self.reference) else 3
+        return right if offset <= self.k else (right + 1) % (VOCAB - 1)
+
+
+def oracle(draft_dir: Path, target, reference: list[int], k: int, **load_kwargs) -> MlxOracleDraft:
+    model = load_draft(str(draft_dir), **load_kwargs)
+    oracle_draft = MlxOracleDraft(model.args)
+    oracle_draft.update(model.parameters())
+    oracle_draft.sliding_window_size = model.sliding_window_size
+    return oracle_draft.setup(target, reference, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Conversion and loading.
+
+
+def test_convert_round_trip(draft_dir, work):
+    """torch weights -> MLX folder -> torch again: every tensor equal, DFlash fields kept, nothing half-written."""
+    out = convert(str(draft_dir), str(work / "round-trip"))
+    original = DFlashDraftModel.from_pretrained(draft_dir).state_dict()
+    back = DFlashDraftModel.from_pretrained(out).state_dict()  # strict: a missing or extra tensor would raise
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    mlx_weights = dict(tree_flatten(load_draft(str(out)).parameters()))
+    assert mlx_weights.keys() == original.keys()
+    assert all(np.array_equal(np.array(mlx_weights[k]), original[k].numpy()) for k in original)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 2]}
+    assert config["block_size"] == 8 and config["num_target_layers"] == 4
+    with pytest.raises(ValueError, match="already exists"):
+        convert(str(draft_dir), str(out))
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith(".")) == [], "a temporary folder was left"
+
+
+def test_convert_dtype(draft_dir, work):
+    out = convert(str(draft_dir), str(work / "bf16"), dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {v.dtype for _, v in tree_flatten(load_draft(str(out)).parameters())} == {mx.bfloat16}
+
+
+def edit_config(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_loads_zlab_and_transformers5_configs(draft_dir, draft, work):
+    """A z-lab style config (transformers 4: top-level `rope_theta`, `torch_dtype`, no `layer_types`) and a
+    transformers-5 config with only `rope_parameters` load to the same draft."""
+
+    def zlab(config):
+        for key in ("rope_parameters", "layer_types", "dtype", "auto_map"):
+            config.pop(key, None)
+        config.update(rope_theta=10000.0, torch_dtype="float32")
+
+    def transformers5(config):
+        config.pop("rope_theta", None)
+        assert "rope_theta" in config["rope_parameters"]
+
+    for name, edit in (("zlab", zlab), ("tf5", transformers5)):
+        loaded = load_draft(str(edit_config(draft_dir, work / name, edit)))
+        assert loaded.layers[0].self_attn.rope.base == draft.layers[0].self_attn.rope.base
+        assert loaded.args.layer_types == ["full_attention"] * 2
+
+
+def test_strict_load_refuses_missing_and_extra_weights(draft_dir, work):
+    weights = mx.load(str(draft_dir / "model.safetensors"))
+    for name, change in (("missing", lambda w: w.pop("norm.weight")), ("extra", lambda w: w.update(extra=mx.zeros(2)))):
+        folder = work / f"{name}-weight"
+        shutil.copytree(draft_dir, folder)
+        edited = dict(weights)
+        change(edited)
+        mx.save_safetensors(str(folder / "model.safetensors"), edited)
+        message = "Missing 1 parameters" if name == "missing" else "parameters not in model"
+        with pytest.raises(ValueError, match=f"does not match the draft architecture.*{message}"):
+            load_draft(str(folder))
+
+
+def test_target_folder_is_not_a_draft(target_dir):
+    with pytest.raises(ValueError, match="not a DFlash draft config"):
+        load_draft(str(target_dir))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Losslessness.
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_equals_mlx_lm_greedy(target, draft, block_size):
+    for prompt in ([9], PROMPT, list(range(3, 43))):
+        max_tokens = 3 * block_size + 1  # not a multiple of the block size
+        tokens, _ = run(target, draft, prompt, block_size=block_size, max_tokens=max_tokens)
+        assert tokens == mlx_greedy(target, prompt, max_tokens), f"B={block_size} prompt={len(prompt)}"
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_forced_partial_acceptance_at_every_k(target, draft_dir, block_size):
+    """A draft right for exactly k tokens per block: output stays exact and every round accepts k + 1."""
+    max_tokens = 24
+    reference = PROMPT + mlx_greedy(target, PROMPT, max_tokens + block_size)
+    for k in range(block_size):
+        oracle_draft = oracle(draft_dir, target, reference, k)
+        tokens, taus = run(target, oracle_draft, PROMPT, block_size=block_size, max_tokens=max_tokens)
+        assert tokens == reference[3 : 3 + max_tokens], f"k={k}"
+        assert taus[:-1] == [k + 1] * (len(taus) - 1), f"k={k}: {taus}"
+        # the draft sees the whole prompt first, then exactly the tokens committed by the previous round
+        assert oracle_draft.calls[0] == (3, 3) and all(n == k + 1 for n, _ in oracle_draft.calls[1:])
+
+
+def test_stops_at_eos_inside_a_block_and_honours_max_tokens(target, draft_dir):
+    reference = PROMPT + mlx_greedy(target, PROMPT, 40)
+    stop = reference[3 + 10]
+    first = reference[3:].index(stop)
+    oracle_draft = oracle(draft_dir, target, reference, 7)
+    responses = list(stream_generate(target, oracle_draft, wrap([stop]), PROMPT, block_size=8, max_tokens=40))
+    assert [t for r in responses for t in r.tokens] == reference[3 : 3 + first + 1]
+    assert responses[-1].finish_reason == "stop" and all(r.finish_reason is None for r in responses[:-1])
+    text = "".join(r.text for r in responses)
+    assert text.split() == [f"w{t}" for t in reference[3 : 3 + first]], "the stop token is not part of the text"
+    for max_tokens in (1, 5, 16, 17):
+        responses = list(stream_generate(target, oracle_draft, wrap(), PROMPT, block_size=8, max_tokens=max_tokens))
+        assert sum(len(r.tokens) for r in responses) == max_tokens and responses[-1].finish_reason == "length"
+
+
+def test_text_prompt_and_mx_array_prompt(target, draft):
+    tokenizer = wrap()
+    expected = mlx_greedy(target, PROMPT, 6)
+    for prompt in ("w5 w6 w7", mx.array(PROMPT, dtype=mx.uint32)):
+        assert run(target, draft, prompt, tokenizer=tokenizer, max_tokens=6, block_size=4)[0] == expected
+    text = "".join(r.text for r in stream_generate(target, draft, tokenizer, "w5 w6 w7", max_tokens=6, block_size=4))
+    assert text.split() == [f"w{t}" for t in expected]
+
+
+def test_real_tokens_equal_to_mask_id_are_kept(target_dir, draft):
+    """A target that likes the mask token must still see it in the output (z-lab bug #73)."""
+    model = load_model(target_dir)[0]
+    head = model.lm_head.weight
+    model.lm_head.weight = mx.concatenate([head[:MASK_ID], model.model.norm.weight[None] * 5, head[MASK_ID + 1 :]])
+    expected = mlx_greedy(model, PROMPT, 20)
+    assert MASK_ID in expected
+    assert run(model, draft, PROMPT, block_size=4, max_tokens=20)[0] == expected
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_drafts_stay_lossless(target, draft_dir, work, bits):
+    out = convert(str(draft_dir), str(work / f"q{bits}"), quantize=True, q_bits=bits, q_group_size=32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": bits, "mode": "affine"}
+    quantized = load_draft(str(out))
+    assert quantized.fc.bits == bits and quantized.layers[1].mlp.down_proj.bits == bits
+    for block_size in (4, 16):
+        tokens, taus = run(target, quantized, PROMPT, block_size=block_size, max_tokens=30)
+        assert tokens == mlx_greedy(target, PROMPT, 30)
+        assert max(taus) > 1, "the quantized draft should still get some blocks accepted"
+
+
+def test_sliding_window_size_bounds_the_draft_cache(target, draft_dir):
+    reference = PROMPT + mlx_greedy(target, PROMPT, 48)
+    oracle_draft = oracle(draft_dir, target, reference, 2, sliding_window_size=8)
+    tokens, _ = run(target, oracle_draft, PROMPT, block_size=4, max_tokens=40)
+    assert tokens == reference[3:43]
+    assert max(oracle_draft.cache_sizes) == 8 and oracle_draft.calls[-1][1] > 30
+
+
+def exact_two_token_distribution(model, prompt: list[int], temperature: float) -> np.ndarray:
+    """p(t1, t2 | prompt) of the MLX target at `temperature`, as a `[V, V]` table."""
+    p1 = mx.softmax(model(mx.array([prompt]))[0, -1] / temperature)
+    seqs = mx.concatenate([mx.array([prompt] * VOCAB), mx.arange(VOCAB)[:, None]], axis=1)
+    p2 = mx.softmax(model(seqs)[:, -1] / temperature, axis=-1)
+    return np.array(p1[:, None] * p2, dtype=np.float64)
+
+
+def test_sampling_matches_target_distribution(work, draft_dir):
+    """Chi-square test of the first two sampled tokens against the exact target distribution.
+
+    The draft proposes the target's greedy tokens, so blocks are often accepted; a verifier that kept draft tokens
+    too eagerly would over-weight the greedy path. Cells below an expected count of 5 are pooled; the test fails
+    at p < 1e-4.
+    """
+    model = load_model(save_torch_target(work / "peaky", initializer_range=0.5))[0]
+    n, temperature = 1000, 1.0
+    exact = exact_two_token_distribution(model, PROMPT, temperature).ravel()
+    oracle_draft = oracle(draft_dir, model, PROMPT + mlx_greedy(model, PROMPT, 8), 3)
+    tokenizer, counts, accepted = wrap(), np.zeros(VOCAB * VOCAB), 0
+    mx.random.seed(0)
+    for _ in range(n):
+        responses = list(stream_generate(model, oracle_draft, tokenizer, PROMPT, max_tokens=2, temperature=temperature, block_size=4))
+        t1, t2 = [t for r in responses for t in r.tokens]
+        counts[t1 * VOCAB + t2] += 1
+        accepted += responses[1].accepted > 0
+    assert accepted > n // 5, "the test needs drafted tokens to be accepted"
+    expected = exact * n
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Torch parity.
+
+
+def torch_and_mlx_hidden(torch_draft: DFlashDraftModel, mlx_draft: Model, steps: list[tuple[int, int]]):
+    """Runs both drafts over rounds of `(context_len, block)` with their caches; yields both hidden states."""
+    from transformers import DynamicCache
+
+    rng, torch_cache, mlx_cache, start = np.random.default_rng(0), DynamicCache(), mlx_draft.make_cache(), 0
+    num_features = len(torch_draft.config.target_layer_ids) * torch_draft.config.hidden_size
+    for n_ctx, block in steps:
+        noise = rng.standard_normal((1, block, torch_draft.config.hidden_size)).astype(np.float32)
+        ctx = rng.standard_normal((1, n_ctx, num_features)).astype(np.float32)
+        positions = torch.arange(start, start + n_ctx + block)[None]
+        with torch.no_grad():
+            out = torch_draft(torch.from_numpy(noise), torch.from_numpy(ctx), position_ids=positions, past_key_values=torch_cache)
+        torch_cache.crop(-block)
+        start += n_ctx
+        yield out.last_hidden_state[0].numpy(), np.array(mlx_draft(mx.array(noise), mx.array(ctx), cache=mlx_cache)[0])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True},
+        {"use_sliding_window": True, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    ],
+    ids=["qwen3", "attention_bias", "sliding_layer"],
+)
+def test_hidden_states_match_torch(work, overrides):
+    torch_draft = make_draft(**overrides)
+    if overrides.get("attention_bias"):
+        with torch.no_grad():  # the random init leaves biases at zero; make them count
+            for name, p in torch_draft.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    mlx_draft = to_mlx_draft(torch_draft, work / f"parity-{len(list(work.iterdir()))}")
+    if "layer_types" in overrides:
+        assert mlx_draft.layers[0].self_attn.sliding_window == 6 and mlx_draft.layers[1].self_attn.sliding_window is None
+    for i, (expected, got) in enumerate(torch_and_mlx_hidden(torch_draft, mlx_draft, [(5, 4), (3, 4), (1, 8), (4, 4)])):
+        diff = float(np.abs(expected - got).max())
+        assert diff < 1e-4, f"round {i}: max |torch - mlx| = {diff:.3g}"
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, draft, block_size):
+    """The same fp32 weights: torch `spec_generate` and MLX give identical tokens and acceptance lengths at T=0."""
+    from transformers import AutoModelForCausalLM
+
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    torch_draft = DFlashDraftModel.from_pretrained(draft_dir).eval()
+    all_taus = []
+    for prompt in (PROMPT, list(range(10, 30))):
+        stats = torch_draft.spec_generate(
+            target=torch_target, input_ids=torch.tensor([prompt]), max_new_tokens=30, block_size=block_size, return_stats=True
+        )
+        tokens, taus = run(target, draft, prompt, block_size=block_size, max_tokens=30)
+        assert tokens == stats.output_ids[0, len(prompt) :].tolist(), f"prompt {prompt}"
+        assert taus == stats.acceptance_lengths, f"prompt {prompt}"
+        all_taus += taus
+    assert max(all_taus) > 1, "the test needs real acceptance, not only rejections"
+
+
+def test_oracle_acceptance_matches_torch(target_dir, target, draft_dir):
+    """Both loops accept the same number of tokens per round when the draft is right for exactly k tokens."""
+    from transformers import AutoModelForCausalLM
+
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    reference = PROMPT + mlx_greedy(target, PROMPT, 40)
+    for k in (0, 2, 5):
+        torch_oracle = OracleDraft(make_draft_config()).eval().setup(torch_target, torch.tensor([reference]), k)
+        stats = torch_oracle.spec_generate(
+            target=torch_target, input_ids=torch.tensor([PROMPT]), max_new_tokens=30, block_size=8, return_stats=True
+        )
+        tokens, taus = run(target, oracle(draft_dir, target, reference, k), PROMPT, block_size=8, max_tokens=30)
+        assert tokens == stats.output_ids[0, 3:].tolist() and taus == stats.acceptance_lengths, f"k={k}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hybrid targets.
+
+
+def make_qwen3_5(seed: int = 0):
+    """A tiny random mlx-lm `qwen3_5` target: gated-delta (ArraysCache) layers 0-2, full attention in layer 3."""
+    mx.random.seed(seed)
+    text_config = dict(
+        model_type="qwen3_5", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text_config))
+    mx.eval(model.parameters())
+    return model
+
+
+def hybrid_draft(work: Path, name: str) -> Path:
+    folder = work / name
+    if not folder.exists():
+        make_draft(target_layer_ids=[0, 1]).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_hybrid_target_rolls_back_its_recurrent_state(work, block_size):
+    model = make_qwen3_5()
+    assert {type(c).__name__ for c in model.make_cache()} == {"ArraysCache", "KVCache"}
+    folder = hybrid_draft(work, "hybrid-draft")
+    reference = PROMPT + mlx_greedy(model, PROMPT, 40)
+    for k in range(block_size):
+        tokens, taus = run(model, oracle(folder, model, reference, k), PROMPT, block_size=block_size, max_tokens=30)
+        assert tokens == reference[3:33], f"k={k}"
+        assert taus[:-1] == [k + 1] * (len(taus) - 1), f"k={k}: {taus}"
+    assert run(model, load_draft(str(folder)), PROMPT, block_size=block_size, max_tokens=30)[0] == reference[3:33]
+
+
+def test_unsupported_target_cache_is_refused(target, draft, monkeypatch):
+    monkeypatch.setattr(type(target), "make_cache", lambda self: [RotatingKVCache(64) for _ in self.layers], raising=False)
+    with pytest.raises(ValueError, match="cannot roll back the target's RotatingKVCache cache"):
+        run(target, draft, PROMPT, max_tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hooks.
+
+
+def assert_untouched(model, before: list) -> None:
+    layers = decoder_layers(model)
+    assert len(layers) == len(before) and all(a is b for a, b in zip(layers, before))
+    assert not any(isinstance(layer, LayerCapture) for layer in layers)
+
+
+def test_hooks_are_removed_after_finish_exception_and_early_close(target, draft):
+    before = list(decoder_layers(target))
+    weights = {k: np.array(v) for k, v in tree_flatten(target.parameters())}
+    run(target, draft, PROMPT, max_tokens=10, block_size=4)
+    assert_untouched(target, before)
+
+    gen = stream_generate(target, draft, wrap(), PROMPT, max_tokens=50, block_size=4)
+    next(gen)
+    assert isinstance(decoder_layers(target)[0], LayerCapture), "hooks are installed while generating"
+    gen.close()
+    assert_untouched(target, before)
+
+    calls = []
+
+    def failing_sampler(logprobs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("sampler failed")
+        return mx.argmax(logprobs, axis=-1)
+
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        run(target, draft, PROMPT, max_tokens=50, block_size=4, sampler=failing_sampler)
+    assert_untouched(target, before)
+    after = {k: np.array(v) for k, v in tree_flatten(target.parameters())}
+    assert after.keys() == weights.keys() and all(np.array_equal(after[k], weights[k]) for k in weights)
+    assert run(target, draft, PROMPT, max_tokens=10, block_size=4)[0] == mlx_greedy(target, PROMPT, 10)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors, all before any compute.
+
+
+@pytest.fixture
+def count_target_calls(target, monkeypatch) -> list:
+    calls, inner_class = [], type(target.model)
+    original = inner_class.__call__
+    monkeypatch.setattr(inner_class, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match the target's 64"),
+        ({"vocab_size": 99}, "vocab_size 99 does not match the target's 64"),
+        ({"num_target_layers": 6}, "num_target_layers 6 does not match the target's 4"),
+        ({"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\] must be sorted, unique and in \[0, 3\)"),
+        ({"mask_token_id": 64}, "mask_token_id 64 is outside the target's vocab of 64"),
+    ],
+)
+def test_mismatched_draft_is_refused(target, count_target_calls, change, message):
+    mismatched = Model(ModelArgs.from_dict(make_draft_config(**change).to_dict()))
+    with pytest.raises(ValueError, match=message):
+        run(target, mismatched, PROMPT, max_tokens=4)
+    assert not count_target_calls, "the target ran before the error"
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ([], {}, "prompt is empty"),
+        ("", {}, "prompt is empty"),
+        (PROMPT, {"block_size": 1}, "block_size must be at least 2"),
+        (PROMPT, {"max_tokens": 0}, "max_tokens must be at least 1"),
+    ],
+)
+def test_bad_arguments_fail_before_compute(target, draft, count_target_calls, prompt, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        run(target, draft, prompt, **{"max_tokens": 4} | kwargs)
+    assert not count_target_calls, "the target ran before the error"
+
+
+def test_accepted_length():
+    assert accepted_length([1, 2, 3], [1, 2, 4]) == 2
+    assert accepted_length([1, 2, 3], [0, 2, 3]) == 0
+    assert accepted_length([1, 2], [1, 2]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line.
+
+
+def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work):
+    """`python -m mlx_port.convert -q` then `python -m mlx_port.generate` print what mlx-lm's greedy decoding makes."""
+    out = work / "cli-draft"
+    cli = [sys.executable, "-m"]
+    convert_cmd = cli + ["mlx_port.convert", "--hf-path", str(draft_dir), "--mlx-path", str(out), "-q", "--q-bits", "8", "--q-group-size", "32"]
+    done = subprocess.run(convert_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    again = subprocess.run(convert_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "already exists" in again.stderr
+
+    generate_cmd = cli + ["mlx_port.generate", "--model", str(target_dir), "--draft-model", str(out), "--prompt", "w5 w6 w7"]
+    done = subprocess.run(generate_cmd + ["--max-tokens", "12", "--temp", "0", "--block-size", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = mlx_greedy(target, PROMPT, 12)
+    expected = expected[: expected.index(2)] if 2 in expected else expected  # the saved tokenizer stops at w2
+    text, summary = done.stdout.rsplit("\n", 1)[0].rsplit("\n", 1) if "\n" in done.stdout.strip() else ("", done.stdout)
+    assert text.split() == [f"w{t}" for t in expected], done.stdout
+    assert "DFlash:" in summary and "mean acceptance length" in summary, done.stdout
