@@ -134,13 +134,14 @@ def test_resume_after_interruption_gives_identical_state(tmp_path):
     target = make_target("llama")
     data = random_sequences(8)
     straight = tiny_draft(target)
-    train(straight, target, data, tmp_path / "straight", quick_config(max_steps=6), progress=False)
+    train(straight, target, data, tmp_path / "straight", quick_config(max_steps=6, updates_per_batch=2), progress=False)
 
-    resumed = tiny_draft(target)
-    summary = train(resumed, target, data, tmp_path / "resumed", quick_config(max_steps=6, stop_after=3), progress=False)
+    resumed = tiny_draft(target)  # stopped in the middle of a batch's two updates
+    summary = train(resumed, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, stop_after=3), progress=False)
     assert summary == {"step": 3, "finished": False, "history": []}
     again = tiny_draft(target)  # a fresh process: everything comes from the checkpoint
-    assert train(again, target, data, tmp_path / "resumed", quick_config(max_steps=6), progress=False)["step"] == 6
+    summary = train(again, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2), progress=False)
+    assert summary["step"] == 6
     for (name, a), b in zip(straight.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
     s, r = (torch.load(p / "checkpoint.pt", weights_only=False) for p in (tmp_path / "straight", tmp_path / "resumed"))

@@ -120,9 +120,12 @@ def load_bench(name: str, limit: int | None = None) -> list[dict]:
         from bench.datasets import load_prompts
     except ImportError as err:
         raise RuntimeError(f"held-out set {name!r} needs bench/datasets.py (load_prompts), which is missing") from err
+    prompts = load_prompts(name)
+    if limit is not None and len(prompts) > limit:  # evenly spaced, so every category of a sorted set is represented
+        prompts = [prompts[i * len(prompts) // limit] for i in range(limit)]
     return [
         {"id": f"{name}/{p['id']}", "messages": [{"role": "user", "content": p["turns"][0]}], "response": None, "source": name}
-        for p in load_prompts(name, limit=limit)
+        for p in prompts
     ]
 
 

@@ -43,6 +43,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None  # None: the paper's value for the block size
     distill_weight: float = 0.5  # 0: hard labels only; 1: soft labels only
+    updates_per_batch: int = 1  # optimizer steps per target pass, each with fresh anchors (the target pass dominates on CPU)
+    train_vocab_size: int | None = None  # train over the most frequent response tokens only (FR-Spec); None: all
     label_source: str = "target"  # "target": the target's argmax; "data": the sequence's own next token
     eval_every: int = 100
     save_every: int = 50
@@ -134,17 +136,28 @@ def target_pass(target, input_ids: torch.Tensor, lengths: torch.Tensor, layer_id
     return extract_context_features(out.hidden_states, layer_ids), out.last_hidden_state
 
 
+def frequent_tokens(sequences: list[Sequence], size: int) -> torch.Tensor:
+    """Sorted ids of the `size` most frequent response tokens: the vocabulary the loss is computed over."""
+    counts = torch.zeros(max(max(s.input_ids) for s in sequences) + 1, dtype=torch.long)
+    for s in sequences:
+        counts += torch.bincount(torch.tensor(s.input_ids[s.loss_start :]), minlength=len(counts))
+    return counts.topk(min(size, len(counts))).indices.sort().values
+
+
 def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch.Generator, weights: torch.Tensor,
-               distill_weight: float, label_source: str = "target") -> tuple[torch.Tensor, dict]:
+               distill_weight: float, label_source: str = "target", vocab: torch.Tensor | None = None,
+               target_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted block loss over `num_anchors` random blocks per sequence, all in one draft pass.
 
-    Returns the loss and metrics: `accuracy_1` (first drafted token right) and `tau` (teacher-forced acceptance
-    length, bonus included, over blocks with all labels inside the sequence).
+    `vocab` restricts the teacher and draft logits to those token ids (the head is the costliest part on CPU);
+    decoding still uses the full head, and the target verifies every token. Returns the loss and metrics:
+    `accuracy_1` (first drafted token right) and `tau` (teacher-forced acceptance length, bonus included, over
+    blocks with all labels inside the sequence). `target_out` reuses an earlier `target_pass` of the same batch.
     """
     config = getattr(draft, "module", draft).config  # unwrapped config under DDP
     block, device = config.block_size, batch["input_ids"].device
     input_ids, lengths = batch["input_ids"], batch["lengths"]
-    features, final_hidden = target_pass(target, input_ids, lengths, config.target_layer_ids)
+    features, final_hidden = target_out or target_pass(target, input_ids, lengths, config.target_layer_ids)
     anchors, valid = sample_anchors(batch["loss_starts"].cpu(), lengths.cpu(), num_anchors, generator)
     anchors, valid = anchors.to(device), valid.to(device)
     tokens, labels, label_mask = block_inputs(input_ids, anchors, valid, lengths, block, config.mask_token_id)
@@ -153,16 +166,20 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     positions = torch.cat([torch.arange(context_len, device=device).expand(b, -1), (anchors[..., None] + torch.arange(block, device=device)).flatten(1)], dim=1)
     mask = additive_mask(anchor_attention_mask(anchors, context_len, block), torch.float32)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    # the shared head stays frozen even if the caller left the target trainable
+    head_weight, head_bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
+    if vocab is not None:
+        vocab = vocab.to(device)
+        head_weight, head_bias = head_weight[vocab], None if head_bias is None else head_bias[vocab]
+        labels, label_mask = full_to_subset(labels, label_mask, vocab, label_source == "data")
     with torch.no_grad():
         noise = embed(tokens.flatten(1))
         # the target's distribution for position a+k is its output at a+k-1
         source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1)
-        teacher = lm_head(final_hidden.gather(1, source.flatten(1)[..., None].expand(-1, -1, final_hidden.shape[-1])))
-        teacher = teacher.float().view(b, m, block - 1, -1)
+        gathered = final_hidden.gather(1, source.flatten(1)[..., None].expand(-1, -1, final_hidden.shape[-1]))
+        teacher = torch.nn.functional.linear(gathered, head_weight, head_bias).float().view(b, m, block - 1, -1)
     hidden = draft(noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask).last_hidden_state
-    # the shared head stays frozen even if the caller left the target trainable
-    head_bias = None if lm_head.bias is None else lm_head.bias.detach()
-    logits = torch.nn.functional.linear(hidden.view(b, m, block, -1)[:, :, 1:], lm_head.weight.detach(), head_bias).float()
+    logits = torch.nn.functional.linear(hidden.view(b, m, block, -1)[:, :, 1:], head_weight, head_bias).float()
     hard = teacher.argmax(-1) if label_source == "target" else labels
     log_probs = logits.log_softmax(-1)
     hard_ce = -log_probs.gather(-1, hard[..., None])[..., 0]
@@ -180,6 +197,14 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
             "blocks": int(full.sum()),
         }
     return loss, metrics
+
+
+def full_to_subset(labels, label_mask, vocab, mask_missing: bool):
+    """Maps token ids to indices in the sorted `vocab`; labels outside it are masked when `mask_missing`."""
+    index = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
+    if mask_missing:
+        label_mask = label_mask & (vocab[index] == labels)
+    return index, label_mask
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -301,7 +326,9 @@ def train(
     accelerator = accelerator or Accelerator()
     target.requires_grad_(False).eval().to(accelerator.device)
     weights = loss_weights(draft.config.block_size, config.gamma or default_gamma(draft.config.block_size))
-    steps_per_epoch = len(batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes))
+    vocab = frequent_tokens(train_sequences, config.train_vocab_size) if config.train_vocab_size else None
+    repeats = config.updates_per_batch
+    steps_per_epoch = repeats * len(batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes))
     total_steps = config.max_steps or steps_per_epoch * config.epochs
     optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, config.warmup_ratio))
@@ -334,7 +361,7 @@ def train(
             logger.info("step %d held-out (teacher-forced, target-greedy): %s", step,
                         "  ".join(f"{k} tau {v['tau']:.2f} loss {v['loss']:.3f}" for k, v in result.items()))
 
-    start_time, finished = time.monotonic(), True
+    start_time, finished, cached = time.monotonic(), True, None
     bar = tqdm(total=total_steps, initial=step, desc="training draft", unit="step", disable=not progress or not accelerator.is_main_process)
     if step == 0:
         run_eval()
@@ -343,14 +370,18 @@ def train(
             config.time_budget_s is not None and time.monotonic() - start_time > config.time_budget_s):
             finished = False
             break
-        epoch, index = divmod(step, steps_per_epoch)
-        ids = batch_order(len(train_sequences), config.batch_size, epoch, config.seed, accelerator.process_index, accelerator.num_processes)[index]
-        batch = {k: v.to(accelerator.device) for k, v in collate([train_sequences[i] for i in ids], pad_id).items()}
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         t0 = time.monotonic()
+        epoch, index = divmod(step, steps_per_epoch)
+        if cached is None or cached[0] != (epoch, index // repeats):
+            ids = batch_order(len(train_sequences), config.batch_size, epoch, config.seed, accelerator.process_index, accelerator.num_processes)[index // repeats]
+            batch = {k: v.to(accelerator.device) for k, v in collate([train_sequences[i] for i in ids], pad_id).items()}
+            cached = ((epoch, index // repeats), batch, target_pass(target, batch["input_ids"], batch["lengths"], model.config.target_layer_ids))
+        batch, target_out = cached[1], cached[2]
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         loss, metrics = block_loss(draft, target, batch,
                                    num_anchors=config.num_anchors, generator=generator, weights=weights,
-                                   distill_weight=config.distill_weight, label_source=config.label_source)
+                                   distill_weight=config.distill_weight, label_source=config.label_source, vocab=vocab,
+                                   target_out=target_out)
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
         optimizer.step()
