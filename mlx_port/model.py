@@ -145,8 +145,9 @@ class Model(nn.Module):
 
         Returns the normed hidden states `[batch, block, hidden]`.
         """
-        context = self.hidden_norm(self.fc(target_hidden))
-        h = noise_embeds
+        dtype = self.hidden_norm.weight.dtype  # never quantized, so it is the draft's compute dtype
+        context = self.hidden_norm(self.fc(target_hidden.astype(dtype)))
+        h = noise_embeds.astype(dtype)
         for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
             h = layer(h, context, c)
         return self.norm(h)
