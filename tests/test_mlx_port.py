@@ -547,6 +547,11 @@ def test_bad_arguments_fail_before_compute(target, draft, count_target_calls, pr
     assert not count_target_calls, "the target ran before the error"
 
 
+def test_bad_sliding_window_size_is_refused(draft_dir):
+    with pytest.raises(ValueError, match="sliding_window_size must be at least 1"):
+        load_draft(str(draft_dir), sliding_window_size=0)
+
+
 def test_accepted_length():
     assert accepted_length([1, 2, 3], [1, 2, 4]) == 2
     assert accepted_length([1, 2, 3], [0, 2, 3]) == 0
@@ -563,7 +568,7 @@ def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work
     out = work / "cli-draft"
     convert_argv = ["--hf-path", str(draft_dir), "--mlx-path", str(out), "-q", "--q-bits", "8", "--q-group-size", "32"]
     generate_argv = ["--model", str(target_dir), "--draft-model", str(out), "--prompt", "w5 w6 w7", "--max-tokens", "12"]
-    generate_argv += ["--temp", "0", "--block-size", "4"]
+    generate_argv += ["--temp", "0", "--block-size", "4", "--compare"]
     script = (
         "import runpy, sys\n"
         f"sys.argv = ['convert'] + {convert_argv!r}\n"
@@ -576,8 +581,9 @@ def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work
     assert done.returncode == 0, done.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
     generated = done.stdout.split("=== generate\n")[1]
-    text, summary = generated.rstrip("\n").rsplit("\n", 1)
+    text, summary, plain = generated.rstrip("\n").rsplit("\n", 2)
     expected = mlx_greedy(target, PROMPT, 12)
     expected = expected[: expected.index(2)] if 2 in expected else expected  # the saved tokenizer stops at w2
     assert text.split() == [f"w{t}" for t in expected], done.stdout
     assert summary.startswith("DFlash: ") and "mean acceptance length" in summary, done.stdout
+    assert plain.startswith("mlx-lm: ") and "speed-up" in plain, done.stdout
