@@ -113,7 +113,8 @@ def environment() -> dict:
 def block_sizes(args: argparse.Namespace, draft) -> list[int]:
     if args.sweep_block_size:
         return [int(b) for b in args.sweep_block_size.split(",")]
-    return [args.block_size or getattr(getattr(draft, "config", None), "block_size", None) or 16]
+    config = getattr(draft, "config", None) or getattr(draft, "args", None)  # torch config, or the MLX port's ModelArgs
+    return [args.block_size or getattr(config, "block_size", None) or 16]
 
 
 def parameter_count(model) -> int | None:

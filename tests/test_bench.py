@@ -11,9 +11,8 @@ from bench import methods, report
 from bench.datasets import EXPECTED_COUNTS, load_prompts
 from bench.harness import first_difference, truncate
 from bench.methods import Generation, TargetTracer
-from bench.mlx_methods import acceptance_from_flags
 from bench.run import main
-from conftest import VOCAB, make_draft, make_target
+from conftest import VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
 
 CHARS = " abcdefghijklmnopqrstuvwxyz.,?!'\n<>/0123456789"
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -122,15 +121,26 @@ def test_mismatch_exits_nonzero(model_dirs, prompts_file, tmp_path, monkeypatch,
     assert "FAIL" in capsys.readouterr().err
 
 
-def test_tracer_matches_spec_generate_stats():
-    """Acceptance lengths recovered from target calls agree with the ones spec_generate reports."""
-    target, draft = make_target("llama", initializer_range=0.2), make_draft()
+@pytest.mark.parametrize("k", [0, 2])
+def test_tracer_recovers_acceptance_lengths(k):
+    """With a draft right for exactly k tokens per block, every route reports acceptance length k + 1 per step."""
+    target = make_target("llama", initializer_range=0.2)
     ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
+    reference = greedy_reference(target, ids, 24)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
+    ctx = methods.Context(target, None, draft)
     with TargetTracer(target) as tracer:
-        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=40, block_size=4, return_stats=True)
-    traced = tracer.acceptance_lengths(out.output_ids.shape[1])
-    assert traced[:-1] == out.acceptance_lengths[:-1] and traced[-1] <= out.acceptance_lengths[-1]
-    assert tracer.first_end is not None
+        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=24, block_size=4, return_stats=True)
+    traced = tracer.acceptance_lengths(stats.output_ids.shape[1])
+    assert traced[:-1] == stats.acceptance_lengths[:-1] == [k + 1] * (len(traced) - 1)
+    for name in ("assisted", "hf-dflash"):
+        try:
+            run = methods.TORCH_METHODS[name](ctx, 4)
+        except methods.Unavailable:
+            continue
+        generation = run(ids, 24)
+        assert generation.new_tokens == reference[0, 7:].tolist(), name
+        assert generation.acceptance_lengths[:-1] == [k + 1] * (len(generation.acceptance_lengths) - 1), name
 
 
 def test_helpers():
@@ -139,7 +149,6 @@ def test_helpers():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 9, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
-    assert acceptance_from_flags([False, True, True, False, False, True]) == [3, 1, 1]
     assert report.histogram([1, 3, 3], 4) == [1, 0, 2, 0]
 
 
@@ -164,3 +173,13 @@ def test_user_jsonl_and_bad_names(prompts_file, tmp_path):
     bad.write_text('{"turns": []}\n')
     with pytest.raises(ValueError, match="line 1"):
         load_prompts(str(bad))
+
+
+def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path):
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_port")
+    status = main(bench_args(model_dirs, prompts_file, tmp_path, "--backend", "mlx", "--block-size", "4"))
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in result["summary"]}
+    assert status == 0 and set(rows) == {"mlx-plain", "mlx-dflash"}, result["skipped"]
+    assert rows["mlx-dflash"]["mismatches"] == 0 and rows["mlx-plain"]["mean_acceptance_length"] == 1.0
