@@ -7,11 +7,16 @@ position, and draft tokens are kept while they equal the target's samples. Every
 given a prefix of target samples, so the output has exactly the target's distribution.
 """
 
+import functools
 import inspect
+import types
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+import transformers
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.streamers import BaseStreamer
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -214,3 +219,247 @@ def spec_generate(
     if not return_stats:
         return output_ids
     return SpecGenerateOutput(output_ids, acceptance_lengths, prompt_len, end)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `target.generate(input_ids, assistant_model=draft)`: a transformers candidate generator, and the routing to it.
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """Drafts one block per step from the target's hidden states at `target_layer_ids`.
+
+    Forward hooks on the target's decoder layers capture the features of every target pass; only the tokens the
+    target committed are fed to the draft's context cache. Call `close()` to remove the hooks.
+
+    Args:
+        target: the model running `generate`.
+        draft: a DFlash draft that fits `target`.
+        generation_config: the call's generation config (for `max_length`).
+        logits_processor: the call's processors, applied to draft logits when `proposal="sample"`.
+        proposal: `"argmax"` proposes the draft's argmax and returns no logits, so sampling is verified by the one-hot
+            rule; `"sample"` samples each position from the draft and returns its logits for `_speculative_sampling`.
+        block_size: defaults to `draft.config.block_size`.
+    """
+
+    def __init__(self, target, draft, generation_config, logits_processor=None, *, proposal="argmax", block_size=None):
+        if proposal not in ("argmax", "sample"):
+            raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
+        check_draft_fits_target(draft, target)
+        self.target, self.draft, self.proposal = target, draft, proposal
+        self.block_size = block_size or draft.config.block_size
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.cache, self.context_len, self.features = DynamicCache(), 0, {}
+        layers = decoder_layers(target)
+        self.hooks = [layers[i].register_forward_hook(self._capture(i)) for i in draft.config.target_layer_ids]
+
+    def _capture(self, layer_id: int):
+        def hook(module, args, output):
+            self.features[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        # the last token is the target's bonus token: committed, but not yet run through the target
+        committed = input_ids.shape[1] - 1
+        max_new = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        if not self.features or max_new <= 0:  # the first call comes before the target's prefill
+            return input_ids, None
+        ids = self.draft.config.target_layer_ids
+        new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
+        context = torch.cat([self.features[i][:, :new] for i in ids], dim=-1)
+        logits = self._draft_logits(input_ids[:, -1:], context, committed)[:, :max_new]
+        self.context_len = committed
+        if self.proposal == "argmax":
+            return torch.cat([input_ids, logits.argmax(-1)], dim=1), None
+        return self._sample_candidates(input_ids, logits)
+
+    def _draft_logits(self, last_token, context, start) -> torch.Tensor:
+        block = torch.full((1, self.block_size), self.draft.config.mask_token_id, device=last_token.device)
+        block[:, :1] = last_token
+        positions = torch.arange(start - context.shape[1], start + self.block_size, device=block.device)[None]
+        embeds = self.target.get_input_embeddings()(block)
+        out = self.draft(noise_embeds=embeds, context_hidden_states=context, position_ids=positions, past_key_values=self.cache)
+        drop_last(self.cache, self.block_size)
+        return self.target.get_output_embeddings()(out.last_hidden_state[:, 1:]).float()
+
+    def _sample_candidates(self, input_ids, logits) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Samples d_i ~ q_i one position at a time, so processors see the drafted prefix."""
+        candidates = input_ids
+        for i in range(logits.shape[1]):
+            if self.logits_processor:
+                logits[:, i] = self.logits_processor(candidates, logits[:, i])
+            probs = torch.softmax(logits[:, i], dim=-1)
+            token = torch.multinomial(probs, 1) if self.do_sample else probs.argmax(-1, keepdim=True)
+            candidates = torch.cat([candidates, token], dim=1)
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+
+class PrefixStoppingCriteria(StoppingCriteria):
+    """Evaluates stopping criteria at every prefix a step added, not just at the end of the accepted block."""
+
+    def __init__(self, criteria: StoppingCriteriaList, window: int):
+        self.criteria, self.window = criteria, window
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        done = self.criteria(input_ids, scores)
+        for length in range(max(input_ids.shape[1] - self.window, 1), input_ids.shape[1]):
+            done = done | self.criteria(input_ids[:, :length], scores)
+        return done
+
+
+def stop_length(criteria: StoppingCriteriaList, sequence: torch.LongTensor, prompt_len: int) -> int:
+    """Length of the shortest prefix, past the prompt, at which plain decoding would have stopped."""
+    for length in range(prompt_len + 1, sequence.shape[1] + 1):
+        if bool(criteria(sequence[:, :length], None).all()):
+            return length
+    return sequence.shape[1]
+
+
+class StopAwareStreamer(BaseStreamer):
+    """Forwards tokens one at a time and swallows any that follow a stop inside an accepted block."""
+
+    def __init__(self, streamer, criteria: StoppingCriteriaList):
+        self.streamer, self.criteria, self.ids, self.stopped = streamer, criteria, None, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.ids is None:  # the prompt
+            self.ids = value.reshape(1, -1)
+            return self.streamer.put(value)
+        for token in value.reshape(-1):
+            if self.stopped:
+                return
+            self.ids = torch.cat([self.ids, token.reshape(1, 1)], dim=1)
+            self.streamer.put(token.reshape(1))
+            self.stopped = bool(self.criteria(self.ids, None).all())
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def is_dflash_draft(model) -> bool:
+    """Duck-typed: remote code loads its own copy of our classes, so `isinstance` would miss them."""
+    return callable(getattr(model, "spec_generate", None)) and isinstance(getattr(model.config, "dflash_config", None), dict)
+
+
+def check_assisted_call(target, draft, input_ids, kwargs) -> None:
+    """Refuses, before any compute, what transformers' assisted loop or DFlash cannot do."""
+    config = kwargs.get("generation_config") or target.generation_config
+    setting = lambda name: kwargs.get(name, getattr(config, name, None))  # noqa: E731
+    if input_ids is not None and input_ids.shape[0] != 1:
+        raise ValueError(f"DFlash decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}")
+    if (setting("num_return_sequences") or 1) > 1:
+        raise ValueError("num_return_sequences > 1 is not supported with a DFlash assistant")
+    if (setting("num_beams") or 1) > 1:
+        raise ValueError("beam search (num_beams > 1) is not supported with a DFlash assistant")
+    if setting("cache_implementation") not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic cache")
+    check_draft_fits_target(draft, target)
+
+
+def _routing_problem() -> str | None:
+    """What, if anything, in the installed transformers breaks the routing below."""
+    needed = {"_get_candidate_generator": {"assistant_model", "generation_config", "logits_processor"},
+              "_get_stopping_criteria": {"generation_config", "stopping_criteria"}}
+    for name, params in needed.items():
+        method = getattr(GenerationMixin, name, None)
+        if method is None or not params <= set(inspect.signature(method).parameters):
+            return f"transformers {transformers.__version__} changed GenerationMixin.{name}, which DFlash routing relies on"
+    return None
+
+
+def _dflash_generate(generate, target, inputs=None, **kwargs):
+    """`generate` with the DFlash candidate generator and per-token stopping installed on `target` for this call only."""
+    draft = kwargs["assistant_model"]
+    check_assisted_call(target, draft, inputs if inputs is not None else kwargs.get("input_ids"), kwargs)
+    if kwargs.get("speculation_type") is not None:  # transformers' own DFlash route
+        if not hasattr(GenerationConfig(), "speculation_type"):
+            raise ValueError(f"speculation_type needs transformers 5.15 or newer; {transformers.__version__} is installed")
+        return generate(target, inputs, **kwargs)
+    if (problem := _routing_problem()) is not None:
+        raise RuntimeError(problem + "; use draft.spec_generate(target=...) instead")
+    generators, stops = [], []
+
+    def get_candidate_generator(self, *, generation_config, logits_processor, **_):
+        generators.append(DFlashCandidateGenerator(self, draft, generation_config, logits_processor))
+        return generators[-1]
+
+    def get_stopping_criteria(self, *args, **kw):
+        stops.append(type(self)._get_stopping_criteria(self, *args, **kw))
+        return StoppingCriteriaList([PrefixStoppingCriteria(stops[-1], draft.config.block_size + 1)])
+
+    if kwargs.get("streamer") is not None:
+        kwargs["streamer"] = StopAwareStreamer(kwargs["streamer"], _LazyCriteria(stops))
+    target._get_candidate_generator = types.MethodType(get_candidate_generator, target)
+    target._get_stopping_criteria = types.MethodType(get_stopping_criteria, target)
+    try:
+        result = generate(target, inputs, **kwargs)
+    finally:
+        del target._get_candidate_generator, target._get_stopping_criteria
+        for generator in generators:
+            generator.close()
+    if not generators:
+        raise RuntimeError(f"transformers {transformers.__version__} did not build the DFlash candidate generator")
+    prompt_len = (inputs if inputs is not None else kwargs["input_ids"]).shape[1]
+    return truncate_output(result, stop_length(stops[-1], _sequences(result), prompt_len), prompt_len)
+
+
+class _LazyCriteria:
+    """The call's stopping criteria, which transformers builds only after the streamer is handed over."""
+
+    def __init__(self, holder: list):
+        self.holder = holder
+
+    def __call__(self, input_ids, scores=None):
+        return self.holder[-1](input_ids, scores)
+
+
+def _sequences(result) -> torch.LongTensor:
+    return result if isinstance(result, torch.Tensor) else result.sequences
+
+
+def truncate_output(result, length: int, prompt_len: int):
+    """Cuts the sequences, and per-token scores or logits, where plain decoding would have stopped."""
+    if isinstance(result, torch.Tensor):
+        return result[:, :length]
+    result.sequences = result.sequences[:, :length]
+    for name in ("scores", "logits", "hidden_states", "attentions"):  # one entry per new token
+        if getattr(result, name, None) is not None:
+            setattr(result, name, getattr(result, name)[: length - prompt_len])
+    for name in ("cache", "past_key_values"):
+        if (cache := getattr(result, name, None)) is not None:
+            drop_last(cache, cache.get_seq_length() - (length - 1))
+    return result
+
+
+def install_generate_routing() -> None:
+    """Makes `target.generate(ids, assistant_model=draft)` route DFlash drafts to `DFlashCandidateGenerator`.
+
+    transformers picks a candidate generator from a fixed if/elif chain and offers no argument to pass one, so
+    `GenerationMixin.generate` is wrapped once: calls without a DFlash assistant go straight to the original.
+    """
+    original = GenerationMixin.generate
+    if getattr(original, "_dflash_routing", False):
+        return
+
+    @functools.wraps(original)
+    def generate(self, inputs=None, *args, **kwargs):
+        if args or not is_dflash_draft(kwargs.get("assistant_model")):
+            return original(self, inputs, *args, **kwargs)
+        return _dflash_generate(original, self, inputs, **kwargs)
+
+    generate._dflash_routing = True
+    GenerationMixin.generate = generate
+
+
+install_generate_routing()

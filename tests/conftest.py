@@ -113,6 +113,42 @@ class OracleDraft(DFlashDraftModel):
         return right if offset <= self.k else (right + 1) % (VOCAB - 1)
 
 
+def exact_two_token_distribution(target, ids, processors) -> torch.Tensor:
+    """p(t1, t2 | prompt) of the target after `processors` (a LogitsProcessorList), flattened to [V * V]."""
+    with torch.no_grad():
+        p1 = torch.softmax(processors(ids, target(ids).logits[:, -1].float()), -1)[0]
+        seqs = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], 1)
+        p2 = torch.softmax(processors(seqs, target(seqs).logits[:, -1].float()), -1)
+    return (p1[:, None] * p2).flatten()
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """Goodness of fit of `counts` to `probs`; cells expecting fewer than 5 are pooled. Returns (p, chi2, dof)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    if expected[-1] < 1e-9:  # the pooled cell holds only impossible outcomes
+        assert observed[-1] == 0, f"{int(observed[-1])} samples of zero-probability outcomes"
+        observed, expected = observed[:-1], expected[:-1]
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0))), chi2, dof
+
+
+def make_tokenizer():
+    """A word-level tokenizer over the tiny vocab: token i is the word `t{i}`, except the pad token 0, `abcdef`
+    (the probe string that transformers' stop-string matching tokenizes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"abcdef": 0} | {f"t{i}": i for i in range(1, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="abcdef"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", pad_token="abcdef")
+
+
 @pytest.fixture
 def target():
     return make_target("llama")

@@ -3,7 +3,19 @@
 import pytest
 import torch
 
-from conftest import MASK_ID, VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+from conftest import (
+    MASK_ID,
+    VOCAB,
+    OracleDraft,
+    chi_square_p_value,
+    exact_two_token_distribution,
+    greedy_reference,
+    make_draft,
+    make_draft_config,
+    make_target,
+)
 from generation_dflash import accepted_length, check_draft_fits_target
 
 
@@ -71,15 +83,6 @@ def test_real_tokens_equal_to_mask_id_are_kept():
     assert torch.equal(out, expected)
 
 
-def exact_two_token_distribution(target, ids, temperature):
-    """p(t1, t2 | prompt) of the target at `temperature`, as a [V, V] table."""
-    with torch.no_grad():
-        p1 = torch.softmax(target(ids).logits[0, -1] / temperature, -1)
-        seqs = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], 1)
-        p2 = torch.softmax(target(seqs).logits[:, -1] / temperature, -1)
-    return p1[:, None] * p2
-
-
 def test_sampling_matches_target_distribution():
     """Chi-square test of the first two sampled tokens against the exact target distribution.
 
@@ -89,7 +92,7 @@ def test_sampling_matches_target_distribution():
     """
     target = make_target("llama", initializer_range=0.5)
     ids, temperature, n = torch.tensor([[5, 6, 7]]), 1.0, 2000
-    exact = exact_two_token_distribution(target, ids, temperature).flatten()
+    exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
     draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7)
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(VOCAB * VOCAB)
@@ -100,13 +103,7 @@ def test_sampling_matches_target_distribution():
         counts[t1 * VOCAB + t2] += 1
         accepted += stats.acceptance_lengths[0] > 1
     assert accepted > n // 5, "the test needs drafted tokens to be accepted"
-    expected = exact * n
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([expected[big], expected[~big].sum()[None]])
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    dof = len(observed) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
 
 

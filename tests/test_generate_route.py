@@ -1,0 +1,274 @@
+"""`target.generate(ids, assistant_model=draft)`: our candidate generator, and transformers' own `speculation_type="dflash"`."""
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import (
+    VOCAB,
+    OracleDraft,
+    chi_square_p_value,
+    exact_two_token_distribution,
+    greedy_reference,
+    make_draft,
+    make_draft_config,
+    make_target,
+    make_tokenizer,
+)
+from generation_dflash import DFlashCandidateGenerator
+
+HAS_BUILTIN = hasattr(GenerationConfig(), "speculation_type")
+ROUTES = ["ours", "builtin"]
+
+
+def run_generate(target, draft, ids, route="ours", **kwargs):
+    """`target.generate` with a DFlash assistant; on transformers without the built-in route, check its error."""
+    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0} | kwargs
+    if route == "builtin":
+        kwargs["speculation_type"] = "dflash"
+        if not HAS_BUILTIN:
+            with pytest.raises(ValueError, match=f"speculation_type needs transformers 5.15 or newer; {transformers.__version__}"):
+                target.generate(ids, assistant_model=draft, **kwargs)
+            return None
+    return target.generate(ids, assistant_model=draft, **kwargs)
+
+
+def count_target_passes(target):
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *args: calls.append(1))
+    return calls, handle
+
+
+def assert_target_untouched(target):
+    """No instance patches and no DFlash hooks (transformers installs its own output-capturing hooks for good)."""
+    assert "_get_candidate_generator" not in vars(target) and "_get_stopping_criteria" not in vars(target)
+    hooks = [h for m in target.modules() for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]]
+    assert not [h for h in hooks if "DFlash" in h.__qualname__], "DFlash hooks left on the target"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_equals_plain_greedy(route, arch, block_size):
+    target = make_target(arch)
+    ids = torch.randint(3, VOCAB - 1, (1, 9), generator=torch.Generator().manual_seed(block_size))
+    expected = greedy_reference(target, ids, 2 * block_size + 3)
+    oracle = OracleDraft(make_draft_config(block_size=block_size)).eval().setup(target, expected, block_size // 2)
+    for draft in (make_draft(block_size=block_size), oracle):
+        out = run_generate(target, draft, ids, route, max_new_tokens=2 * block_size + 3)
+        assert out is None or torch.equal(out, expected), f"{type(draft).__name__}"
+    assert_target_untouched(target)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_forced_partial_acceptance_at_every_k(route):
+    target, block_size = make_target("qwen2"), 8
+    ids = torch.tensor([[4, 9, 11, 30]])
+    expected = greedy_reference(target, ids, 48)
+    for k in range(block_size):
+        draft = OracleDraft(make_draft_config(block_size=block_size)).eval().setup(target, expected, k)
+        calls, handle = count_target_passes(target)
+        out = run_generate(target, draft, ids, route, max_new_tokens=40)
+        handle.remove()
+        if out is None:
+            return
+        assert torch.equal(out, expected[:, :44]), f"k={k}"
+        # each pass after the prefill commits k + 1 tokens
+        assert len(calls) == 1 + -(-39 // (k + 1)), f"k={k}: {len(calls)} target passes"
+        assert all(n == k + 1 for n, _ in draft.calls[1:]), draft.calls
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_drafting_needs_fewer_target_passes_than_tokens(route):
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 40)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, expected, 7)
+    calls, handle = count_target_passes(target)
+    out = run_generate(target, draft, ids, route, max_new_tokens=32)
+    handle.remove()
+    if out is not None:
+        assert torch.equal(out, expected[:, :35]) and len(calls) == 5  # prefill + 4 blocks of 8
+
+
+def test_return_dict_and_scores_keep_their_shapes():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    args = dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **args)
+    oracle = OracleDraft(make_draft_config()).eval().setup(target, plain.sequences, 5)
+    ours = run_generate(target, oracle, ids, **args)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert len(ours.scores) == len(plain.scores) == 12 and len(ours.logits) == 12
+    for a, b in zip(ours.scores, plain.scores):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.chunks.append("end")
+
+
+def test_streamer_gets_every_token_once_in_order():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 30)
+    streamer = Recorder()
+    draft = OracleDraft(make_draft_config()).eval().setup(target, expected, 4)
+    out = run_generate(target, draft, ids, max_new_tokens=30, streamer=streamer)
+    assert torch.equal(out, expected)
+    assert streamer.chunks[0] == [5, 6, 7] and streamer.chunks[-1] == "end"
+    assert [t for chunk in streamer.chunks[1:-1] for t in chunk] == expected[0, 3:].tolist()
+
+
+def test_eos_inside_accepted_block_stops_like_plain_decoding():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    free = greedy_reference(target, ids, 40)
+    eos = int(free[0, 3 + 10])
+    target.generation_config.eos_token_id = eos
+    expected = greedy_reference(target, ids, 40)
+    assert expected.shape[1] < free.shape[1] and expected[0, -1] == eos
+    streamer = Recorder()
+    draft = OracleDraft(make_draft_config()).eval().setup(target, free, 7)
+    out = run_generate(target, draft, ids, max_new_tokens=40, streamer=streamer)
+    assert torch.equal(out, expected)
+    assert [t for chunk in streamer.chunks[1:-1] for t in chunk] == expected[0, 3:].tolist()
+
+
+class StopAfter(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("kind", ["criteria", "stop_strings"])
+def test_custom_stopping_cuts_where_plain_decoding_does(kind):
+    target, tokenizer = make_target("llama"), make_tokenizer()
+    ids = torch.tensor([[5, 6, 7]])
+    free = greedy_reference(target, ids, 40)
+    stop = int(free[0, 3 + 9])
+    extra = {"stopping_criteria": [StopAfter(stop)]} if kind == "criteria" else {"stop_strings": [f"t{stop}"], "tokenizer": tokenizer}
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, max_new_tokens=40, **extra)
+    assert plain.shape[1] < free.shape[1]
+    streamer = Recorder()
+    draft = OracleDraft(make_draft_config()).eval().setup(target, free, 7)
+    out = run_generate(target, draft, ids, max_new_tokens=40, streamer=streamer, **extra)
+    assert torch.equal(out, plain)
+    assert [t for chunk in streamer.chunks[1:-1] for t in chunk] == plain[0, 3:].tolist()
+
+
+class Boom(LogitsProcessor):
+    def __init__(self, error, after):
+        self.error, self.calls, self.after = error, 0, after
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls > self.after:
+            raise self.error
+        return scores
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_no_hooks_or_patches_left_after_an_exception(error):
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    oracle = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 30), 3)
+    with pytest.raises(type(error)):
+        run_generate(target, oracle, ids, max_new_tokens=20, logits_processor=LogitsProcessorList([Boom(error, 5)]))
+    assert_target_untouched(target)
+    assert torch.equal(run_generate(target, oracle, ids, max_new_tokens=20), greedy_reference(target, ids, 20))
+
+
+def test_other_assistants_behave_as_stock():
+    target, assistant = make_target("llama"), make_target("llama", seed=3)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    expected = greedy_reference(target, ids, 16)
+    common = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, max_new_tokens=16)
+    assert torch.equal(target.generate(ids, assistant_model=assistant, **common), expected)
+    assert torch.equal(target.generate(ids, prompt_lookup_num_tokens=3, **common), expected)
+    assert_target_untouched(target)
+
+
+def processors(temperature, top_k, top_p, repetition_penalty):
+    """The processors generate builds for these settings, in its order."""
+    return LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(repetition_penalty), TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)]
+    )
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_sampling_matches_target_distribution(proposal, monkeypatch):
+    """Chi-square test (fails at p < 1e-4) of the first two sampled tokens against the exact processed target
+    distribution, with temperature, top-k, top-p and repetition penalty, for both proposal rules."""
+    if proposal == "sample":
+        init = DFlashCandidateGenerator.__init__
+        monkeypatch.setattr(DFlashCandidateGenerator, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "proposal": "sample"}))
+    target = make_target("llama", initializer_range=0.5)
+    ids, n = torch.tensor([[5, 6, 7]]), 1500
+    settings = dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.3)
+    exact = exact_two_token_distribution(target, ids, processors(**settings))
+    draft = OracleDraft(make_draft_config(block_size=4)).eval().setup(target, greedy_reference(target, ids, 8), 3)
+    torch.manual_seed(0)
+    counts = torch.zeros(VOCAB * VOCAB)
+    for _ in range(n):
+        out = run_generate(target, draft, ids, max_new_tokens=2, do_sample=True, **settings)
+        counts[out[0, 3] * VOCAB + out[0, 4]] += 1
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences > 1 is not supported"),
+        ({"num_beams": 2}, r"beam search \(num_beams > 1\) is not supported"),
+        ({"cache_implementation": "static"}, "cannot be cropped"),
+    ],
+)
+def test_unsupported_options_are_refused(kwargs, message):
+    target = make_target("llama")
+    calls, handle = count_target_passes(target)
+    with pytest.raises(ValueError, match=message):
+        run_generate(target, make_draft(), torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kwargs)
+    assert not calls
+    assert_target_untouched(target)
+
+
+def test_batch_and_mismatched_draft_are_refused():
+    target = make_target("llama")
+    with pytest.raises(ValueError, match="batch size 1"):
+        run_generate(target, make_draft(), torch.tensor([[5, 6], [7, 8]]), max_new_tokens=4)
+    for change, message in [
+        ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match"),
+        ({"vocab_size": 80}, "vocab_size 80 does not match"),
+        ({"num_target_layers": 6}, "num_target_layers 6 does not match"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run_generate(target, make_draft(**change), torch.tensor([[5, 6]]), max_new_tokens=4)
+
+
+def test_uncroppable_target_is_refused(monkeypatch):
+    target = make_target("llama")
+    monkeypatch.setattr(target, "_is_stateful", True)
+    with pytest.raises(ValueError, match="LlamaForCausalLM keeps a recurrent state"):
+        run_generate(target, make_draft(), torch.tensor([[5, 6]]), max_new_tokens=4)
