@@ -37,9 +37,6 @@ class Context:
     temperature: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
-    backend: str = "torch"
-    target_path: str | None = None
-    draft_path: str | None = None
 
 
 Run = Callable[[object, int], Generation]
@@ -77,10 +74,6 @@ class TargetTracer:
         """Tokens committed by each call after the prefill; `final_length` counts prompt plus new tokens."""
         steps = self.starts[1:] + [final_length - 1]
         return [b - a for a, b in zip(self.starts[1:], steps[1:])]
-
-
-def seeded_generator(ctx: Context) -> torch.Generator:
-    return torch.Generator().manual_seed(ctx.seed)
 
 
 def traced(ctx: Context, call: Callable[[torch.Tensor, int], torch.Tensor]) -> Run:
@@ -121,12 +114,11 @@ def draft_block_size(draft, block_size: int):
 
 
 def with_block_size(ctx: Context, block_size: int, run: Run) -> Run:
-    return lambda ids, n: _call_with_block_size(ctx.draft, block_size, run, ids, n)
+    def sized(input_ids: torch.Tensor, max_new_tokens: int) -> Generation:
+        with draft_block_size(ctx.draft, block_size):
+            return run(input_ids, max_new_tokens)
 
-
-def _call_with_block_size(draft, block_size: int, run: Run, ids, n: int) -> Generation:
-    with draft_block_size(draft, block_size):
-        return run(ids, n)
+    return sized
 
 
 def require_draft(ctx: Context) -> None:
@@ -146,7 +138,7 @@ def plain(ctx: Context, block_size: int | None) -> Run:
 def spec_generate(ctx: Context, block_size: int | None) -> Run:
     """Our hand-written loop, `draft.spec_generate`; it reports acceptance lengths itself."""
     require_draft(ctx)
-    generator = seeded_generator(ctx)
+    generator = torch.Generator()
 
     def run(input_ids: torch.Tensor, max_new_tokens: int) -> Generation:
         generator.manual_seed(ctx.seed)

@@ -149,7 +149,7 @@ def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
     need_draft = any(m not in NO_DRAFT for m in methods)
     load = load_mlx_models if args.backend == "mlx" else load_torch_models
     target, tokenizer, draft = load(args, need_draft)
-    ctx = Context(target, tokenizer, draft, args.temperature, stop_token_ids(target, tokenizer), args.seed, args.backend, args.target, args.draft)
+    ctx = Context(target, tokenizer, draft, args.temperature, stop_token_ids(target, tokenizer), args.seed)
     sizes, baseline = block_sizes(args, draft), BASELINE[args.backend]
     variants, skipped = build_variants(ctx, factories, methods, sizes, BLOCK_FREE)
     prompts = {name: load_prompts(name, args.max_samples or None) for name in args.dataset.split(",")}
