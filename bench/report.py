@@ -125,7 +125,9 @@ def plot_histograms(rows: list[dict], path) -> None:
         width = 0.8 / max(len(spec), 1)
         for i, row in enumerate(spec):
             counts, total = row["acceptance_histogram"], sum(row["acceptance_histogram"])
-            ax.bar([k + 1 + i * width for k in range(len(counts))], [c / total for c in counts], width, label=f"{row['method']} b{row['block_size']}")
+            offset = (i - (len(spec) - 1) / 2) * width  # bar groups centred on each integer length
+            ax.bar([k + 1 + offset for k in range(len(counts))], [c / total for c in counts], width, label=f"{row['method']} b{row['block_size']}")
+        ax.set_xticks(range(1, max((len(r["acceptance_histogram"]) for r in spec), default=1) + 1))
         ax.set(title=f"{dataset}: acceptance length (tokens per verify step, counting the bonus)", xlabel="acceptance length", ylabel="share of steps")
         if spec:
             ax.legend(fontsize="small")
@@ -146,9 +148,11 @@ def plot_speedup(rows: list[dict], path) -> None:
         xs, ys = zip(*sorted(points))
         ax.plot(xs, ys, marker="o", label=f"{dataset} / {method}")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set(xscale="log", xlabel="block size", ylabel="speedup vs plain", title="Speedup by block size and dataset")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="block size", ylabel="speedup vs plain", title="Speedup by block size and dataset")
     ax.set_xticks(sorted({x for points in lines.values() for x, _ in points}) or [1])
-    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    ax.minorticks_off()
     if lines:
         ax.legend(fontsize="small")
     save_figure(fig, path)
