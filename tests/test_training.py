@@ -130,6 +130,21 @@ def test_one_training_step_reduces_the_loss():
     assert all(p.grad is None for p in target.parameters())
 
 
+def test_loss_vocabulary_keeps_the_most_frequent_response_tokens():
+    from training.trainer import frequent_tokens, full_to_subset
+
+    seqs = [Sequence("a", [9, 9, 5, 5, 5, 7], 2), Sequence("b", [1, 5, 7, 8], 1)]
+    vocab = frequent_tokens(seqs, 2)
+    assert vocab.tolist() == [5, 7]  # prompt tokens (9) do not count
+    index, mask = full_to_subset(torch.tensor([7, 8, 5]), torch.tensor([True, True, True]), vocab, True)
+    assert index[mask].tolist() == [1, 0] and mask.tolist() == [True, False, True]
+    target = make_target("llama", initializer_range=0.2)
+    loss, metrics = block_loss(tiny_draft(target), target, collate(random_sequences(2), 0), num_anchors=4,
+                               generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0),
+                               distill_weight=0.5, vocab=torch.arange(10, 40))
+    assert torch.isfinite(loss) and 0 <= metrics["accuracy_1"] <= 1
+
+
 def test_resume_after_interruption_gives_identical_state(tmp_path):
     target = make_target("llama")
     data = random_sequences(8)
