@@ -13,6 +13,24 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(1 + j * span) for j in range(num_draft_layers)]
 
 
+def check_fits_target(config, *, num_layers: int, hidden_size: int, vocab_size: int) -> None:
+    """Raises a ValueError naming the first mismatch between a draft config (torch or MLX) and the target's shapes."""
+    if config.hidden_size != hidden_size:
+        raise ValueError(f"draft hidden_size {config.hidden_size} does not match the target's {hidden_size}")
+    if config.vocab_size != vocab_size:
+        raise ValueError(f"draft vocab_size {config.vocab_size} does not match the target's {vocab_size}")
+    if config.num_target_layers is not None and config.num_target_layers != num_layers:
+        raise ValueError(f"draft num_target_layers {config.num_target_layers} does not match the target's {num_layers}")
+    ids = config.target_layer_ids
+    # the last layer's entry in `hidden_states` is after the final norm, so it is not a layer output
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_layers - 1:
+        raise ValueError(
+            f"target_layer_ids {ids} must be sorted, unique and in [0, {num_layers - 1}) for a {num_layers}-layer target"
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocab of {vocab_size}")
+
+
 class DFlashConfig(Qwen3Config):
     """A `Qwen3Config` with the DFlash fields, stored as the published z-lab checkpoints store them.
 
@@ -77,4 +95,4 @@ class DFlashConfig(Qwen3Config):
         return out
 
 
-__all__ = ["DFlashConfig", "build_target_layer_ids"]
+__all__ = ["DFlashConfig", "build_target_layer_ids", "check_fits_target"]

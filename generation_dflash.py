@@ -18,6 +18,11 @@ from transformers import DynamicCache, GenerationConfig, GenerationMixin, Stoppi
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
+try:
+    from .configuration_dflash import check_fits_target
+except ImportError:  # imported as a top-level module from the repo root or an installed project
+    from configuration_dflash import check_fits_target
+
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -63,23 +68,10 @@ def check_target_supported(target) -> None:
 
 def check_draft_fits_target(draft, target) -> None:
     """Raises a ValueError naming the first mismatch between the draft's config and the target."""
-    config = draft.config
     num_layers = len(decoder_layers(target))
     check_target_supported(target)
     vocab_size, hidden_size = target.get_output_embeddings().weight.shape
-    if config.hidden_size != hidden_size:
-        raise ValueError(f"draft hidden_size {config.hidden_size} does not match the target's {hidden_size}")
-    if config.vocab_size != vocab_size:
-        raise ValueError(f"draft vocab_size {config.vocab_size} does not match the target's {vocab_size}")
-    if config.num_target_layers is not None and config.num_target_layers != num_layers:
-        raise ValueError(f"draft num_target_layers {config.num_target_layers} does not match the target's {num_layers}")
-    ids = config.target_layer_ids
-    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_layers - 1:
-        raise ValueError(
-            f"target_layer_ids {ids} must be sorted, unique and in [0, {num_layers - 1}) for a {num_layers}-layer target"
-        )
-    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab_size:
-        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocab of {vocab_size}")
+    check_fits_target(draft.config, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
 
 
 def check_generation_inputs(input_ids: torch.Tensor, max_new_tokens: int, block_size: int) -> None:
@@ -139,6 +131,18 @@ def first_stop(tokens: list[int], stop_token_ids: set[int]) -> int | None:
     return next((i + 1 for i, t in enumerate(tokens) if t in stop_token_ids), None)
 
 
+def output_length(tokens: list[int], stop_token_ids: set[int], max_new_tokens: int) -> int:
+    """How many of `tokens` belong in the output: up to the first stop token, at most `max_new_tokens`."""
+    return min(first_stop(tokens, stop_token_ids) or len(tokens), max_new_tokens)
+
+
+def stream_tokens(streamer: BaseStreamer | None, tokens: list[int], streamed: int, end: int) -> int:
+    """Sends `tokens[streamed:end]` to the streamer; returns how many tokens it has now had."""
+    if streamer is not None and end > streamed:
+        streamer.put(torch.tensor(tokens[streamed:end]))
+    return end
+
+
 def drop_last(cache: DynamicCache, num_tokens: int) -> None:
     """Removes the last `num_tokens` cached tokens; `crop(0)` would empty the cache on transformers 4.x."""
     if num_tokens > 0:
@@ -165,6 +169,7 @@ def spec_generate(
     block_size: int | None = None,
     return_stats: bool = False,
     generator: torch.Generator | None = None,
+    streamer: BaseStreamer | None = None,
 ):
     """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
     identical tokens at `temperature=0`, the same distribution above it.
@@ -178,6 +183,7 @@ def spec_generate(
         block_size: tokens per draft block, including the last committed token; defaults to `config.block_size`.
         return_stats: return a `SpecGenerateOutput` with acceptance lengths instead of the ids alone.
         generator: optional `torch.Generator` for sampling.
+        streamer: optional transformers streamer; it gets the prompt, then each committed token once, in order.
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
@@ -197,6 +203,9 @@ def spec_generate(
     context = extract_context_features(out.hidden_states, layer_ids)
     acceptance_lengths: list[int] = []
     start = prompt_len  # position of the last committed token, which is not yet in the target's cache
+    if streamer is not None:
+        streamer.put(input_ids[0].cpu())
+    streamed = stream_tokens(streamer, new_tokens, 0, output_length(new_tokens, stops, max_new_tokens))
 
     while len(new_tokens) < max_new_tokens and first_stop(new_tokens, stops) is None:
         last = torch.tensor([[new_tokens[-1]]], device=input_ids.device)
@@ -213,8 +222,11 @@ def spec_generate(
         drop_last(target_cache, block_size - accepted - 1)
         context = extract_context_features(out.hidden_states, layer_ids)[:, : accepted + 1]
         start += accepted + 1
+        streamed = stream_tokens(streamer, new_tokens, streamed, output_length(new_tokens, stops, max_new_tokens))
 
-    end = min(first_stop(new_tokens, stops) or len(new_tokens), max_new_tokens)
+    end = output_length(new_tokens, stops, max_new_tokens)
+    if streamer is not None:
+        streamer.end()
     output_ids = torch.cat([input_ids, torch.tensor([new_tokens[:end]], device=input_ids.device)], dim=1)
     if not return_stats:
         return output_ids

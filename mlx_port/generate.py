@@ -21,6 +21,8 @@ from mlx_lm.models.cache import ArraysCache, ConcatenateKVCache, KVCache, Quanti
 from mlx_lm.sample_utils import greedy_sampler, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from configuration_dflash import check_fits_target
+
 from .model import Model
 
 Sampler = Callable[[mx.array], mx.array]
@@ -74,22 +76,9 @@ def target_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
 
 def check_draft_fits_target(draft: Model, model: nn.Module) -> None:
     """Raises a ValueError naming the first mismatch between the draft's config and the target."""
-    args, num_layers = draft.args, len(decoder_layers(model))
     embed = model.model.embed_tokens
     vocab_size, hidden_size = embed.weight.shape[0], embed(mx.array([0])).shape[-1]
-    if args.hidden_size != hidden_size:
-        raise ValueError(f"draft hidden_size {args.hidden_size} does not match the target's {hidden_size}")
-    if args.vocab_size != vocab_size:
-        raise ValueError(f"draft vocab_size {args.vocab_size} does not match the target's {vocab_size}")
-    if args.num_target_layers is not None and args.num_target_layers != num_layers:
-        raise ValueError(f"draft num_target_layers {args.num_target_layers} does not match the target's {num_layers}")
-    ids = args.target_layer_ids
-    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_layers - 1:
-        raise ValueError(
-            f"target_layer_ids {ids} must be sorted, unique and in [0, {num_layers - 1}) for a {num_layers}-layer target"
-        )
-    if args.mask_token_id is None or not 0 <= args.mask_token_id < vocab_size:
-        raise ValueError(f"mask_token_id {args.mask_token_id} is outside the target's vocab of {vocab_size}")
+    check_fits_target(draft.args, num_layers=len(decoder_layers(model)), hidden_size=hidden_size, vocab_size=vocab_size)
 
 
 def check_generation_inputs(prompt: mx.array, block_size: int) -> None:

@@ -158,3 +158,18 @@ def test_hybrid_target_is_refused_by_name():
     target = Qwen3NextForCausalLM(config).eval()
     with pytest.raises(ValueError, match="Qwen3NextForCausalLM keeps a recurrent state"):
         make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4)
+
+
+def test_streamer_gets_prompt_then_each_output_token_once():
+    from test_generate_route import Recorder
+
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    reference = greedy_reference(target, ids, 40)
+    stop = int(reference[0, 3 + 12])
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, 5)
+    streamer = Recorder()
+    out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, stop_token_ids=[stop], streamer=streamer)
+    assert streamer.chunks[0] == [5, 6, 7] and streamer.chunks[-1] == "end"
+    assert [t for chunk in streamer.chunks[1:-1] for t in chunk] == out[0, 3:].tolist()
+    assert out[0, -1] == stop
