@@ -29,6 +29,17 @@ TARGET_CONFIGS = {
 }
 
 
+# draft config changes that do not fit the tiny target, with the error each must raise
+MISMATCHES = [
+    ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match the target's 64"),
+    ({"vocab_size": 99}, "vocab_size 99 does not match the target's 64"),
+    ({"num_target_layers": 6}, "num_target_layers 6 does not match the target's 4"),
+    ({"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\] must be sorted, unique and in \[0, 3\)"),
+    ({"target_layer_ids": [2, 0]}, r"target_layer_ids \[2, 0\] must be sorted"),
+    ({"mask_token_id": 64}, "mask_token_id 64 is outside the target's vocab of 64"),
+]
+
+
 def make_target(arch: str = "llama", seed: int = 0, initializer_range: float = 0.02, **overrides):
     """A 4-layer fp32 target. A larger `initializer_range` makes its next-token distributions peakier."""
     torch.manual_seed(seed)

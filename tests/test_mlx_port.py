@@ -17,7 +17,7 @@ import torch
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install mlx mlx-lm, plus mlx-cpu on Linux)")
 
-from conftest import MASK_ID, VOCAB, OracleDraft, chi_square_p_value, make_draft, make_draft_config, make_target  # noqa: E402
+from conftest import MASK_ID, MISMATCHES, VOCAB, OracleDraft, chi_square_p_value, make_draft, make_draft_config, make_target  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import qwen3_5  # noqa: E402
@@ -509,16 +509,7 @@ def count_target_calls(target, monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match the target's 64"),
-        ({"vocab_size": 99}, "vocab_size 99 does not match the target's 64"),
-        ({"num_target_layers": 6}, "num_target_layers 6 does not match the target's 4"),
-        ({"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\] must be sorted, unique and in \[0, 3\)"),
-        ({"mask_token_id": 64}, "mask_token_id 64 is outside the target's vocab of 64"),
-    ],
-)
+@pytest.mark.parametrize("change, message", MISMATCHES)
 def test_mismatched_draft_is_refused(target, count_target_calls, change, message):
     mismatched = Model(ModelArgs.from_dict(make_draft_config(**change).to_dict()))
     with pytest.raises(ValueError, match=message):

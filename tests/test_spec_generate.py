@@ -7,6 +7,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 from conftest import (
     MASK_ID,
+    MISMATCHES,
     VOCAB,
     OracleDraft,
     chi_square_p_value,
@@ -112,17 +113,7 @@ def test_accepted_length():
     assert accepted_length(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3])) == 0
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match the target's 64"),
-        ({"vocab_size": 99}, "vocab_size 99 does not match the target's 64"),
-        ({"num_target_layers": 6}, "num_target_layers 6 does not match the target's 4"),
-        ({"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\] must be sorted, unique and in \[0, 3\)"),
-        ({"target_layer_ids": [2, 0]}, r"target_layer_ids \[2, 0\] must be sorted"),
-        ({"mask_token_id": 64}, "mask_token_id 64 is outside the target's vocab of 64"),
-    ],
-)
+@pytest.mark.parametrize("change, message", MISMATCHES)
 def test_mismatched_draft_is_refused(change, message):
     with pytest.raises(ValueError, match=message):
         check_draft_fits_target(make_draft(**change), make_target("llama"))
