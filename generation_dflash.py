@@ -107,15 +107,14 @@ def accepted_length(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> 
     return int(torch.cumprod(draft_tokens == target_tokens, dim=-1).sum())
 
 
-def draft_block(draft, embed, lm_head, last_token, context, start, cache, block_size) -> torch.Tensor:
-    """One draft pass: proposes `block_size - 1` tokens after `last_token` at position `start`."""
-    mask_id = draft.config.mask_token_id
-    block = torch.full((1, block_size), mask_id, dtype=torch.long, device=last_token.device)
-    block[:, 0] = last_token
+def draft_logits(draft, embed, lm_head, last_token, context, start, cache, block_size) -> torch.Tensor:
+    """One draft pass: `[1, block_size - 1, vocab]` logits for the tokens after `last_token` (at position `start`)."""
+    block = torch.full((1, block_size), draft.config.mask_token_id, dtype=torch.long, device=last_token.device)
+    block[:, :1] = last_token
     positions = torch.arange(start - context.shape[1], start + block_size, device=block.device)[None]
     hidden = draft(noise_embeds=embed(block), context_hidden_states=context, position_ids=positions, past_key_values=cache)
     drop_last(cache, block_size)  # the cache keeps committed context only; the block is re-drafted next round
-    return lm_head(hidden.last_hidden_state[:, 1:]).argmax(dim=-1)
+    return lm_head(hidden.last_hidden_state[:, 1:])
 
 
 def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -209,7 +208,7 @@ def spec_generate(
 
     while len(new_tokens) < max_new_tokens and first_stop(new_tokens, stops) is None:
         last = torch.tensor([[new_tokens[-1]]], device=input_ids.device)
-        drafted = draft_block(self, embed, lm_head, last, context, start, draft_cache, block_size)
+        drafted = draft_logits(self, embed, lm_head, last, context, start, draft_cache, block_size).argmax(dim=-1)
         # verify: the target scores `[last, d_1 .. d_{B-1}]` in one pass
         verify_ids = torch.cat([last, drafted], dim=1)
         positions = torch.arange(start, start + block_size, device=verify_ids.device)[None]
@@ -267,6 +266,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.hooks = [layers[i].register_forward_hook(self._capture(i)) for i in draft.config.target_layer_ids]
 
     def _capture(self, layer_id: int):
+        # a layer's output is what `hidden_states[layer_id + 1]` holds, so no offset is needed here
         def hook(module, args, output):
             self.features[layer_id] = output[0] if isinstance(output, tuple) else output
 
@@ -287,20 +287,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ids = self.draft.config.target_layer_ids
         new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
         context = torch.cat([self.features[i][:, :new] for i in ids], dim=-1)
-        logits = self._draft_logits(input_ids[:, -1:], context, committed)[:, :max_new]
+        embed, lm_head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
+        logits = draft_logits(self.draft, embed, lm_head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
+        logits = logits[:, :max_new].float()
         self.context_len = committed
         if self.proposal == "argmax":
             return torch.cat([input_ids, logits.argmax(-1)], dim=1), None
         return self._sample_candidates(input_ids, logits)
-
-    def _draft_logits(self, last_token, context, start) -> torch.Tensor:
-        block = torch.full((1, self.block_size), self.draft.config.mask_token_id, device=last_token.device)
-        block[:, :1] = last_token
-        positions = torch.arange(start - context.shape[1], start + self.block_size, device=block.device)[None]
-        embeds = self.target.get_input_embeddings()(block)
-        out = self.draft(noise_embeds=embeds, context_hidden_states=context, position_ids=positions, past_key_values=self.cache)
-        drop_last(self.cache, self.block_size)
-        return self.target.get_output_embeddings()(out.last_hidden_state[:, 1:]).float()
 
     def _sample_candidates(self, input_ids, logits) -> tuple[torch.LongTensor, torch.Tensor]:
         """Samples d_i ~ q_i one position at a time, so processors see the drafted prefix."""
