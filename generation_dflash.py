@@ -396,7 +396,8 @@ def _dflash_generate(generate, target, inputs=None, **kwargs):
     generators, stops = [], []
 
     def get_candidate_generator(self, *, generation_config, logits_processor, **_):
-        generators.append(DFlashCandidateGenerator(self, draft, generation_config, logits_processor))
+        proposal = getattr(draft, "dflash_proposal", "argmax")  # set `draft.dflash_proposal = "sample"` to compare
+        generators.append(DFlashCandidateGenerator(self, draft, generation_config, logits_processor, proposal=proposal))
         return generators[-1]
 
     def get_stopping_criteria(self, *args, **kw):

@@ -161,6 +161,20 @@ def assisted(ctx: Context, block_size: int | None) -> Run:
     return with_block_size(ctx, block_size, hf_generate(ctx, assistant_model=ctx.draft))
 
 
+def assisted_sample(ctx: Context, block_size: int | None) -> Run:
+    """Our route with the other proposal rule: sample each draft position, verify with `_speculative_sampling`."""
+    run = assisted(ctx, block_size)
+
+    def sampled(input_ids: torch.Tensor, max_new_tokens: int) -> Generation:
+        ctx.draft.dflash_proposal = "sample"
+        try:
+            return run(input_ids, max_new_tokens)
+        finally:
+            del ctx.draft.dflash_proposal
+
+    return sampled
+
+
 def hf_dflash(ctx: Context, block_size: int | None) -> Run:
     """transformers' built-in generator, `speculation_type="dflash"` (transformers >= 5.15)."""
     require_draft(ctx)
@@ -180,6 +194,7 @@ TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "plain": plain,
     "spec-generate": spec_generate,
     "assisted": assisted,
+    "assisted-sample": assisted_sample,
     "hf-dflash": hf_dflash,
     "prompt-lookup": prompt_lookup,
 }
