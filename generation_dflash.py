@@ -85,6 +85,11 @@ def check_generation_inputs(input_ids: torch.Tensor, max_new_tokens: int, block_
         raise ValueError(f"block_size must be at least 2 (the last token plus one drafted token), got {block_size}")
 
 
+def check_schedule(schedule: str | None) -> None:
+    if schedule not in (None, "constant", "heuristic"):
+        raise ValueError(f"block size schedule {schedule!r} is not supported with DFlash; use 'constant' or 'heuristic'")
+
+
 def refuse_generate(self, *args, **kwargs):
     """Reached only when transformers bypassed DFlash routing and treated the draft as an ordinary assistant."""
     raise RuntimeError(
@@ -115,6 +120,14 @@ def draft_logits(draft, embed, lm_head, last_token, context, start, cache, block
     hidden = draft(noise_embeds=embed(block), context_hidden_states=context, position_ids=positions, past_key_values=cache)
     drop_last(cache, block_size)  # the cache keeps committed context only; the block is re-drafted next round
     return lm_head(hidden.last_hidden_state[:, 1:])
+
+
+def next_block_size(block_size: int, accepted: int, max_block_size: int) -> int:
+    """transformers' "heuristic" schedule: draft two more tokens after a fully accepted block, one fewer otherwise,
+    so a draft that is often wrong costs little more than a two-token verify."""
+    drafted = block_size - 1
+    drafted = drafted + 2 if accepted == drafted else drafted - 1
+    return min(max(drafted, 1), max_block_size - 1) + 1
 
 
 def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -169,6 +182,7 @@ def spec_generate(
     return_stats: bool = False,
     generator: torch.Generator | None = None,
     streamer: BaseStreamer | None = None,
+    block_size_schedule: str = "constant",
 ):
     """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
     identical tokens at `temperature=0`, the same distribution above it.
@@ -183,11 +197,14 @@ def spec_generate(
         return_stats: return a `SpecGenerateOutput` with acceptance lengths instead of the ids alone.
         generator: optional `torch.Generator` for sampling.
         streamer: optional transformers streamer; it gets the prompt, then each committed token once, in order.
+        block_size_schedule: `"constant"`, or `"heuristic"` to adapt the block to acceptance (at most `block_size`),
+            as transformers' `num_assistant_tokens_schedule` does.
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
     block_size = block_size or self.config.block_size
     check_generation_inputs(input_ids, max_new_tokens, block_size)
+    check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
     stops = set(stop_token_ids or [])
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -206,21 +223,24 @@ def spec_generate(
         streamer.put(input_ids[0].cpu())
     streamed = stream_tokens(streamer, new_tokens, 0, output_length(new_tokens, stops, max_new_tokens))
 
+    block = block_size
     while len(new_tokens) < max_new_tokens and first_stop(new_tokens, stops) is None:
         last = torch.tensor([[new_tokens[-1]]], device=input_ids.device)
-        drafted = draft_logits(self, embed, lm_head, last, context, start, draft_cache, block_size).argmax(dim=-1)
+        drafted = draft_logits(self, embed, lm_head, last, context, start, draft_cache, block).argmax(dim=-1)
         # verify: the target scores `[last, d_1 .. d_{B-1}]` in one pass
         verify_ids = torch.cat([last, drafted], dim=1)
-        positions = torch.arange(start, start + block_size, device=verify_ids.device)[None]
+        positions = torch.arange(start, start + block, device=verify_ids.device)[None]
         out = target(input_ids=verify_ids, position_ids=positions, use_cache=True, output_hidden_states=True, **{cache_name: target_cache})
         chosen = pick_tokens(out.logits, temperature, generator)
         accepted = accepted_length(drafted[0], chosen[0, :-1])
         new_tokens += drafted[0, :accepted].tolist() + [int(chosen[0, accepted])]
         acceptance_lengths.append(accepted + 1)
         # drop the rejected tail from the target cache; its keys were computed from wrong tokens
-        drop_last(target_cache, block_size - accepted - 1)
+        drop_last(target_cache, block - accepted - 1)
         context = extract_context_features(out.hidden_states, layer_ids)[:, : accepted + 1]
         start += accepted + 1
+        if block_size_schedule == "heuristic":
+            block = next_block_size(block, accepted, block_size)
         streamed = stream_tokens(streamer, new_tokens, streamed, output_length(new_tokens, stops, max_new_tokens))
 
     end = output_length(new_tokens, stops, max_new_tokens)
@@ -257,11 +277,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
         check_draft_fits_target(draft, target)
         self.target, self.draft, self.proposal = target, draft, proposal
-        self.block_size = block_size or draft.config.block_size
+        self.block_size = self.max_block_size = block_size or draft.config.block_size
+        self.schedule = generation_config.num_assistant_tokens_schedule
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
-        self.cache, self.context_len, self.features = DynamicCache(), 0, {}
+        self.cache, self.context_len, self.features, self.proposed = DynamicCache(), 0, {}, False
         layers = decoder_layers(target)
         self.hooks = [layers[i].register_forward_hook(self._capture(i)) for i in draft.config.target_layer_ids]
 
@@ -282,8 +303,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # the last token is the target's bonus token: committed, but not yet run through the target
         committed = input_ids.shape[1] - 1
         max_new = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        self.proposed = False
         if not self.features or max_new <= 0:  # the first call comes before the target's prefill
             return input_ids, None
+        self.proposed = True
         ids = self.draft.config.target_layer_ids
         new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
         context = torch.cat([self.features[i][:, :new] for i in ids], dim=-1)
@@ -307,7 +330,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         return candidates, logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        pass
+        if self.schedule == "heuristic" and self.proposed:
+            self.block_size = next_block_size(self.block_size, int(num_matches), self.max_block_size)
 
 
 class PrefixStoppingCriteria(StoppingCriteria):
@@ -367,6 +391,7 @@ def check_assisted_call(target, draft, input_ids, kwargs) -> None:
         raise ValueError("num_return_sequences > 1 is not supported with a DFlash assistant")
     if (setting("num_beams") or 1) > 1:
         raise ValueError("beam search (num_beams > 1) is not supported with a DFlash assistant")
+    check_schedule(setting("num_assistant_tokens_schedule"))
     if setting("cache_implementation") not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic cache")
     check_draft_fits_target(draft, target)

@@ -106,7 +106,7 @@ class OracleDraft(DFlashDraftModel):
 
     def setup(self, target, reference: torch.Tensor, k: int):
         self.lm_head_pinv = torch.linalg.pinv(target.get_output_embeddings().weight.detach().double()).float()
-        self.reference, self.k, self.calls = reference[0].tolist(), k, []
+        self.reference, self.k, self.calls, self.blocks = reference[0].tolist(), k, [], []
         return self
 
     def forward(self, noise_embeds, context_hidden_states, position_ids=None, **kwargs):
@@ -114,6 +114,7 @@ class OracleDraft(DFlashDraftModel):
         block = noise_embeds.shape[1]
         start = int(position_ids[0, -block])
         self.calls.append((context_hidden_states.shape[1], start))
+        self.blocks.append(block)
         tokens = [self.token_at(start + i, i) for i in range(block)]
         logits = torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).float() * 50.0
         out.last_hidden_state = (logits @ self.lm_head_pinv.T)[None].to(noise_embeds.dtype)

@@ -89,6 +89,16 @@ def test_forced_partial_acceptance_at_every_k(route):
         assert all(n == k + 1 for n, _ in draft.calls[1:]), draft.calls
 
 
+def test_heuristic_schedule_adapts_block_and_stays_exact():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 48)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, expected, 0)
+    out = run_generate(target, draft, ids, max_new_tokens=40, num_assistant_tokens_schedule="heuristic")
+    assert torch.equal(out, expected[:, :43])
+    assert draft.blocks[:8] == [8, 7, 6, 5, 4, 3, 2, 2]
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_drafting_needs_fewer_target_passes_than_tokens(route):
     target = make_target("llama")
@@ -242,6 +252,7 @@ def test_sampling_matches_target_distribution(proposal):
         ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences > 1 is not supported"),
         ({"num_beams": 2}, r"beam search \(num_beams > 1\) is not supported"),
         ({"cache_implementation": "static"}, "cannot be cropped"),
+        ({"num_assistant_tokens_schedule": "heuristic_transient"}, "schedule 'heuristic_transient' is not supported"),
     ],
 )
 def test_unsupported_options_are_refused(kwargs, message):

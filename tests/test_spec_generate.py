@@ -164,3 +164,19 @@ def test_streamer_gets_prompt_then_each_output_token_once():
     assert streamer.chunks[0] == [5, 6, 7] and streamer.chunks[-1] == "end"
     assert [t for chunk in streamer.chunks[1:-1] for t in chunk] == out[0, 3:].tolist()
     assert out[0, -1] == stop
+
+
+@pytest.mark.parametrize("k, blocks", [(0, [8, 7, 6, 5, 4, 3, 2, 2]), (2, [8, 7, 6, 5, 4, 3, 5, 4]), (7, [8] * 8)])
+def test_heuristic_schedule_adapts_block_and_stays_exact(k, blocks):
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    reference = greedy_reference(target, ids, 80)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
+    stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=60, block_size=8, block_size_schedule="heuristic", return_stats=True)
+    assert torch.equal(stats.output_ids, reference[:, :63])
+    assert draft.blocks[: len(blocks)] == blocks
+
+
+def test_unknown_schedule_is_refused():
+    with pytest.raises(ValueError, match="block size schedule 'heuristic_transient' is not supported"):
+        make_draft().spec_generate(target=make_target("llama"), input_ids=torch.tensor([[5]]), block_size_schedule="heuristic_transient")
