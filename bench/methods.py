@@ -6,6 +6,7 @@ reason, which the harness prints and records. Acceptance lengths of methods that
 """
 
 import contextlib
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -135,7 +136,7 @@ def plain(ctx: Context, block_size: int | None) -> Run:
     return hf_generate(ctx)
 
 
-def spec_generate(ctx: Context, block_size: int | None) -> Run:
+def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constant") -> Run:
     """Our hand-written loop, `draft.spec_generate`; it reports acceptance lengths itself."""
     require_draft(ctx)
     generator = torch.Generator()
@@ -146,6 +147,7 @@ def spec_generate(ctx: Context, block_size: int | None) -> Run:
             out = ctx.draft.spec_generate(
                 target=ctx.target, input_ids=input_ids, max_new_tokens=max_new_tokens, stop_token_ids=ctx.stop_token_ids,
                 temperature=ctx.temperature, block_size=block_size, return_stats=True, generator=generator,
+                block_size_schedule=schedule,
             )
         return Generation(out.output_ids[0, input_ids.shape[1] :].tolist(), out.acceptance_lengths, tracer.first_end)
 
@@ -193,6 +195,7 @@ def prompt_lookup(ctx: Context, block_size: int | None) -> Run:
 TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "plain": plain,
     "spec-generate": spec_generate,
+    "spec-generate-heuristic": functools.partial(spec_generate, schedule="heuristic"),
     "assisted": assisted,
     "assisted-sample": assisted_sample,
     "hf-dflash": hf_dflash,
