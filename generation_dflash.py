@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
-from transformers import DynamicCache, GenerationConfig, GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    GenerationMixin,
+    MaxTimeCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
@@ -347,6 +354,11 @@ class PrefixStoppingCriteria(StoppingCriteria):
         return done
 
 
+def token_criteria(criteria: StoppingCriteriaList) -> StoppingCriteriaList:
+    """The criteria that depend on tokens only; a time limit cannot be replayed token by token after the fact."""
+    return StoppingCriteriaList([c for c in criteria if not isinstance(c, MaxTimeCriteria)])
+
+
 def stop_length(criteria: StoppingCriteriaList, sequence: torch.LongTensor, prompt_len: int) -> int:
     """Length of the shortest prefix, past the prompt, at which plain decoding would have stopped."""
     for length in range(prompt_len + 1, sequence.shape[1] + 1):
@@ -442,7 +454,7 @@ def _dflash_generate(generate, target, inputs=None, **kwargs):
     if not generators:
         raise RuntimeError(f"transformers {transformers.__version__} did not build the DFlash candidate generator")
     prompt_len = (inputs if inputs is not None else kwargs["input_ids"]).shape[1]
-    return truncate_output(result, stop_length(stops[-1], _sequences(result), prompt_len), prompt_len)
+    return truncate_output(result, stop_length(token_criteria(stops[-1]), _sequences(result), prompt_len), prompt_len)
 
 
 class _LazyCriteria:
@@ -452,7 +464,7 @@ class _LazyCriteria:
         self.holder = holder
 
     def __call__(self, input_ids, scores=None):
-        return self.holder[-1](input_ids, scores)
+        return token_criteria(self.holder[-1])(input_ids, scores)
 
 
 def _sequences(result) -> torch.LongTensor:

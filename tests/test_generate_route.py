@@ -187,6 +187,19 @@ def test_custom_stopping_cuts_where_plain_decoding_does(kind):
     assert [t for chunk in streamer.chunks[1:-1] for t in chunk] == plain[0, 3:].tolist()
 
 
+def test_time_limit_is_not_replayed_after_generation():
+    """`max_time` stops between steps, as in plain decoding; the replay that cuts a finished output ignores it."""
+    from transformers import MaxTimeCriteria, StoppingCriteriaList
+
+    from generation_dflash import stop_length, token_criteria
+
+    expired = MaxTimeCriteria(max_time=0.0, initial_timestamp=0.0)  # would stop at once if replayed
+    sequence = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    criteria = StoppingCriteriaList([expired, StopAfter(10)])
+    assert stop_length(token_criteria(criteria), sequence, 3) == 6
+    assert stop_length(criteria, sequence, 3) == 4
+
+
 class Boom(LogitsProcessor):
     def __init__(self, error, after):
         self.error, self.calls, self.after = error, 0, after
