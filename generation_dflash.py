@@ -1,4 +1,5 @@
-"""DFlash decoding: `spec_generate` (a hand-written loop) and `DFlashCandidateGenerator` (for `target.generate`).
+"""DFlash decoding: `spec_generate` (a hand-written loop) and `DFlashCandidateGenerator` (for `target.generate`,
+which `routing_dflash.py` routes to it).
 
 Each round drafts a block `[last token, MASK x (B-1)]` in one draft pass, verifies it in one target pass, keeps the
 longest prefix the target agrees with plus the target's own next token, and crops both caches to that prefix.
@@ -7,21 +8,11 @@ position, and draft tokens are kept while they equal the target's samples. Every
 given a prefix of target samples, so the output has exactly the target's distribution.
 """
 
-import functools
 import inspect
-import types
 from dataclasses import dataclass, field
 
 import torch
-import transformers
-from transformers import (
-    DynamicCache,
-    GenerationConfig,
-    GenerationMixin,
-    MaxTimeCriteria,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
@@ -260,7 +251,7 @@ def spec_generate(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# `target.generate(input_ids, assistant_model=draft)`: a transformers candidate generator, and the routing to it.
+# `target.generate(input_ids, assistant_model=draft)`: a transformers candidate generator.
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -339,170 +330,4 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.schedule == "heuristic" and self.proposed:
             self.block_size = next_block_size(self.block_size, int(num_matches), self.max_block_size)
-
-
-class PrefixStoppingCriteria(StoppingCriteria):
-    """Evaluates stopping criteria at every prefix a step added, not just at the end of the accepted block."""
-
-    def __init__(self, criteria: StoppingCriteriaList, window: int):
-        self.criteria, self.window = criteria, window
-
-    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        done = self.criteria(input_ids, scores)
-        for length in range(max(input_ids.shape[1] - self.window, 1), input_ids.shape[1]):
-            done = done | self.criteria(input_ids[:, :length], scores)
-        return done
-
-
-def token_criteria(criteria: StoppingCriteriaList) -> StoppingCriteriaList:
-    """The criteria that depend on tokens only; a time limit cannot be replayed token by token after the fact."""
-    return StoppingCriteriaList([c for c in criteria if not isinstance(c, MaxTimeCriteria)])
-
-
-def stop_length(criteria: StoppingCriteriaList, sequence: torch.LongTensor, prompt_len: int) -> int:
-    """Length of the shortest prefix, past the prompt, at which plain decoding would have stopped."""
-    for length in range(prompt_len + 1, sequence.shape[1] + 1):
-        if bool(criteria(sequence[:, :length], None).all()):
-            return length
-    return sequence.shape[1]
-
-
-class StopAwareStreamer(BaseStreamer):
-    """Forwards tokens one at a time and swallows any that follow a stop inside an accepted block."""
-
-    def __init__(self, streamer, criteria: StoppingCriteriaList):
-        self.streamer, self.criteria, self.ids, self.stopped = streamer, criteria, None, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.ids is None:  # the prompt
-            self.ids = value.reshape(1, -1)
-            return self.streamer.put(value)
-        for token in value.reshape(-1):
-            if self.stopped:
-                return
-            self.ids = torch.cat([self.ids, token.reshape(1, 1)], dim=1)
-            self.streamer.put(token.reshape(1))
-            self.stopped = bool(self.criteria(self.ids, None).all())
-
-    def end(self) -> None:
-        self.streamer.end()
-
-
-def is_dflash_draft(model) -> bool:
-    """Duck-typed: remote code loads its own copy of our classes, so `isinstance` would miss them."""
-    return callable(getattr(model, "spec_generate", None)) and isinstance(getattr(model.config, "dflash_config", None), dict)
-
-
-def check_assisted_call(target, draft, input_ids, kwargs) -> None:
-    """Refuses, before any compute, what transformers' assisted loop or DFlash cannot do."""
-    config = kwargs.get("generation_config") or target.generation_config
-    setting = lambda name: kwargs.get(name, getattr(config, name, None))  # noqa: E731
-    if input_ids is not None and input_ids.shape[0] != 1:
-        raise ValueError(f"DFlash decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}")
-    if (setting("num_return_sequences") or 1) > 1:
-        raise ValueError("num_return_sequences > 1 is not supported with a DFlash assistant")
-    if (setting("num_beams") or 1) > 1:
-        raise ValueError("beam search (num_beams > 1) is not supported with a DFlash assistant")
-    check_schedule(setting("num_assistant_tokens_schedule"))
-    if setting("cache_implementation") not in (None, "dynamic"):
-        raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic cache")
-    check_draft_fits_target(draft, target)
-
-
-def _routing_problem() -> str | None:
-    """What, if anything, in the installed transformers breaks the routing below."""
-    needed = {"_get_candidate_generator": {"assistant_model", "generation_config", "logits_processor"},
-              "_get_stopping_criteria": {"generation_config", "stopping_criteria"}}
-    for name, params in needed.items():
-        method = getattr(GenerationMixin, name, None)
-        if method is None or not params <= set(inspect.signature(method).parameters):
-            return f"transformers {transformers.__version__} changed GenerationMixin.{name}, which DFlash routing relies on"
-    return None
-
-
-def _dflash_generate(generate, target, inputs=None, **kwargs):
-    """`generate` with the DFlash candidate generator and per-token stopping installed on `target` for this call only."""
-    draft = kwargs["assistant_model"]
-    check_assisted_call(target, draft, inputs if inputs is not None else kwargs.get("input_ids"), kwargs)
-    if kwargs.get("speculation_type") is not None:  # transformers' own DFlash route
-        if not hasattr(GenerationConfig(), "speculation_type"):
-            raise ValueError(f"speculation_type needs transformers 5.15 or newer; {transformers.__version__} is installed")
-        return generate(target, inputs, **kwargs)
-    if (problem := _routing_problem()) is not None:
-        raise RuntimeError(problem + "; use draft.spec_generate(target=...) instead")
-    generators, stops = [], []
-
-    def get_candidate_generator(self, *, generation_config, logits_processor, **_):
-        proposal = getattr(draft, "dflash_proposal", "argmax")  # set `draft.dflash_proposal = "sample"` to compare
-        generators.append(DFlashCandidateGenerator(self, draft, generation_config, logits_processor, proposal=proposal))
-        return generators[-1]
-
-    def get_stopping_criteria(self, *args, **kw):
-        stops.append(type(self)._get_stopping_criteria(self, *args, **kw))
-        return StoppingCriteriaList([PrefixStoppingCriteria(stops[-1], draft.config.block_size + 1)])
-
-    if kwargs.get("streamer") is not None:
-        kwargs["streamer"] = StopAwareStreamer(kwargs["streamer"], _LazyCriteria(stops))
-    target._get_candidate_generator = types.MethodType(get_candidate_generator, target)
-    target._get_stopping_criteria = types.MethodType(get_stopping_criteria, target)
-    try:
-        result = generate(target, inputs, **kwargs)
-    finally:
-        del target._get_candidate_generator, target._get_stopping_criteria
-        for generator in generators:
-            generator.close()
-    if not generators:
-        raise RuntimeError(f"transformers {transformers.__version__} did not build the DFlash candidate generator")
-    prompt_len = (inputs if inputs is not None else kwargs["input_ids"]).shape[1]
-    return truncate_output(result, stop_length(token_criteria(stops[-1]), _sequences(result), prompt_len), prompt_len)
-
-
-class _LazyCriteria:
-    """The call's stopping criteria, which transformers builds only after the streamer is handed over."""
-
-    def __init__(self, holder: list):
-        self.holder = holder
-
-    def __call__(self, input_ids, scores=None):
-        return token_criteria(self.holder[-1])(input_ids, scores)
-
-
-def _sequences(result) -> torch.LongTensor:
-    return result if isinstance(result, torch.Tensor) else result.sequences
-
-
-def truncate_output(result, length: int, prompt_len: int):
-    """Cuts the sequences, and per-token scores or logits, where plain decoding would have stopped."""
-    if isinstance(result, torch.Tensor):
-        return result[:, :length]
-    result.sequences = result.sequences[:, :length]
-    for name in ("scores", "logits", "hidden_states", "attentions"):  # one entry per new token
-        if getattr(result, name, None) is not None:
-            setattr(result, name, getattr(result, name)[: length - prompt_len])
-    for name in ("cache", "past_key_values"):
-        if (cache := getattr(result, name, None)) is not None:
-            drop_last(cache, cache.get_seq_length() - (length - 1))
-    return result
-
-
-def install_generate_routing() -> None:
-    """Makes `target.generate(ids, assistant_model=draft)` route DFlash drafts to `DFlashCandidateGenerator`.
-
-    transformers picks a candidate generator from a fixed if/elif chain and offers no argument to pass one, so
-    `GenerationMixin.generate` is wrapped once: calls without a DFlash assistant go straight to the original.
-    """
-    original = GenerationMixin.generate
-    if getattr(original, "_dflash_routing", False):
-        return
-
-    @functools.wraps(original)
-    def generate(self, inputs=None, *args, **kwargs):
-        if args or not is_dflash_draft(kwargs.get("assistant_model")):
-            return original(self, inputs, *args, **kwargs)
-        return _dflash_generate(original, self, inputs, **kwargs)
-
-    generate._dflash_routing = True
-    GenerationMixin.generate = generate
-
-
-install_generate_routing()
+        self.proposed = False  # the candidates are verified

@@ -20,10 +20,12 @@ try:
     from .configuration_dflash import DFlashConfig
     from .generation_dflash import refuse_generate as _refuse_generate
     from .generation_dflash import spec_generate as _spec_generate
+    from .routing_dflash import assisted_generate as _assisted_generate
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from configuration_dflash import DFlashConfig
     from generation_dflash import refuse_generate as _refuse_generate
     from generation_dflash import spec_generate as _spec_generate
+    from routing_dflash import assisted_generate as _assisted_generate
 
 # transformers 5.x names the cache `cache`, 4.x `past_key_values`
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
@@ -190,6 +192,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     spec_generate = _spec_generate
     generate = _refuse_generate
+    _dflash_assisted_generate = staticmethod(_assisted_generate)  # `target.generate(assistant_model=draft)` runs this copy
 
 
 DFlashConfig.register_for_auto_class("AutoConfig")

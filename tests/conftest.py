@@ -125,13 +125,20 @@ class OracleDraft(DFlashDraftModel):
         return right if offset <= self.k else (right + 1) % (VOCAB - 1)
 
 
-def exact_two_token_distribution(target, ids, processors) -> torch.Tensor:
-    """p(t1, t2 | prompt) of the target after `processors` (a LogitsProcessorList), flattened to [V * V]."""
+def exact_joint_distribution(target, ids, processors, length: int) -> torch.Tensor:
+    """p(t1 .. t_length | prompt) of the target after `processors` (a LogitsProcessorList), shape `[V] * length`."""
+    seqs, joint = ids, torch.ones(())
     with torch.no_grad():
-        p1 = torch.softmax(processors(ids, target(ids).logits[:, -1].float()), -1)[0]
-        seqs = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], 1)
-        p2 = torch.softmax(processors(seqs, target(seqs).logits[:, -1].float()), -1)
-    return (p1[:, None] * p2).flatten()
+        for _ in range(length):
+            p = torch.softmax(processors(seqs, target(seqs).logits[:, -1].float()), -1)
+            joint = joint[..., None] * p.view(*joint.shape, VOCAB)
+            seqs = torch.cat([seqs.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(len(seqs))[:, None]], 1)
+    return joint
+
+
+def exact_two_token_distribution(target, ids, processors) -> torch.Tensor:
+    """p(t1, t2 | prompt) of the target after `processors`, flattened to [V * V]."""
+    return exact_joint_distribution(target, ids, processors, 2).flatten()
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:

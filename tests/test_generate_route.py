@@ -20,7 +20,7 @@ from conftest import (
     VOCAB,
     OracleDraft,
     chi_square_p_value,
-    exact_two_token_distribution,
+    exact_joint_distribution,
     greedy_reference,
     make_draft,
     make_draft_config,
@@ -187,17 +187,47 @@ def test_custom_stopping_cuts_where_plain_decoding_does(kind):
     assert [t for chunk in streamer.chunks[1:-1] for t in chunk] == plain[0, 3:].tolist()
 
 
-def test_time_limit_is_not_replayed_after_generation():
-    """`max_time` stops between steps, as in plain decoding; the replay that cuts a finished output ignores it."""
+def test_stops_whose_trigger_lies_in_the_prompt_never_fire():
+    """Chat prompts hold the EOS token (and may hold a stop string or a criterion's trigger) before their end: only
+    the tokens a step added are checked, so none of them cuts the output (issue 9: it ended after one token)."""
+    target, tokenizer = make_target("llama"), make_tokenizer()
+    ids = torch.tensor([[5, 2, 40, 41, 42, 6, 7]])
+    free = greedy_reference(target, ids, 30)
+    unused = [t for t in ids[0, :-1].tolist() if t not in free[0, 7:].tolist()]
+    eos, word, trigger = unused[:3]
+    target.generation_config.eos_token_id = eos
+    extra = dict(max_new_tokens=30, stopping_criteria=[StopAfter(trigger)], stop_strings=[f"t{word}"], tokenizer=tokenizer)
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **extra)
+    assert torch.equal(plain, free)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, free, 3)
+    out = run_generate(target, draft, ids, **extra)
+    assert torch.equal(out, free) and len(draft.calls) >= 5, f"{out.shape[1] - 7} new tokens, {len(draft.calls)} draft calls"
+
+
+def test_criteria_see_each_new_prefix_once():
+    """Per-token stopping checks exactly the prefixes each step added: once each, never inside the prompt."""
+    target, seen = make_target("llama"), []
+
+    class Record(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(input_ids.shape[1])
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    ids = torch.tensor([[5, 6, 7]])
+    draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 30), 4)
+    out = run_generate(target, draft, ids, max_new_tokens=20, stopping_criteria=[Record()])
+    assert out.shape[1] == 23 and seen == list(range(4, 24))
+
+
+def test_time_limit_cuts_at_the_first_new_token_past_it():
+    """`max_time` is checked at each new prefix too: once it has passed, the output ends at the step's first token."""
     from transformers import MaxTimeCriteria, StoppingCriteriaList
 
-    from generation_dflash import stop_length, token_criteria
+    from routing_dflash import TokenStopping
 
-    expired = MaxTimeCriteria(max_time=0.0, initial_timestamp=0.0)  # would stop at once if replayed
-    sequence = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
-    criteria = StoppingCriteriaList([expired, StopAfter(10)])
-    assert stop_length(token_criteria(criteria), sequence, 3) == 6
-    assert stop_length(criteria, sequence, 3) == 4
+    expired = MaxTimeCriteria(max_time=0.0, initial_timestamp=0.0)
+    stopping = TokenStopping(StoppingCriteriaList([expired]), prompt_len=3)
+    assert bool(stopping(torch.tensor([[5, 6, 7, 8, 9, 10]]))[0]) and stopping.stop_length == 4
 
 
 class Boom(LogitsProcessor):
@@ -242,21 +272,25 @@ def processors(temperature, top_k, top_p, repetition_penalty):
 
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])
 def test_sampling_matches_target_distribution(proposal):
-    """Chi-square test (fails at p < 1e-4) of the first two sampled tokens against the exact processed target
-    distribution, with temperature, top-k, top-p and repetition penalty, for both proposal rules."""
+    """Chi-square test (fails at p < 1e-4) of the second and third sampled tokens, which come from drafted blocks,
+    against the exact processed target distribution, with temperature, top-k, top-p and repetition penalty."""
     target = make_target("llama", initializer_range=0.5)
     ids, n = torch.tensor([[5, 6, 7]]), 1500
     settings = dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.3)
-    exact = exact_two_token_distribution(target, ids, processors(**settings))
+    exact = exact_joint_distribution(target, ids, processors(**settings), 3).sum(0).flatten()
     draft = OracleDraft(make_draft_config(block_size=4)).eval().setup(target, greedy_reference(target, ids, 8), 3)
     draft.dflash_proposal = proposal
     torch.manual_seed(0)
-    counts = torch.zeros(VOCAB * VOCAB)
+    counts, accepted = torch.zeros(VOCAB * VOCAB), 0
     for _ in range(n):
-        out = run_generate(target, draft, ids, max_new_tokens=2, do_sample=True, **settings)
-        counts[out[0, 3] * VOCAB + out[0, 4]] += 1
+        calls, handle = count_target_passes(target)
+        out = run_generate(target, draft, ids, max_new_tokens=6, do_sample=True, **settings)
+        handle.remove()
+        counts[out[0, 4] * VOCAB + out[0, 5]] += 1
+        accepted += len(calls) < 6  # some drafted token was kept
     p_value, chi2, dof = chi_square_p_value(counts, exact)
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+    assert len(draft.calls) >= 2 * n and accepted > n // 10, f"{len(draft.calls)} draft calls, {accepted} runs kept a drafted token"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,263 @@
+"""Routes `target.generate(ids, assistant_model=draft)` to `DFlashCandidateGenerator`, with per-token stopping.
+
+transformers picks a candidate generator from a fixed if/elif chain and has no argument for a custom one. Importing
+this module wraps three `GenerationMixin` methods once:
+- `generate` binds the call's arguments by the original signature; a call whose assistant is a DFlash draft goes to
+  that draft's own `_dflash_assisted_generate` (its own copy of this code: remote code loads one copy per revision).
+- `_get_candidate_generator` and `_get_stopping_criteria` return the DFlash generator and per-token stopping inside
+  such a call, and only in its thread and for its target; everywhere else they are the originals. Concurrent calls
+  in other threads, with or without a draft, are unaffected.
+"""
+
+import functools
+import inspect
+import threading
+
+import torch
+import transformers
+from transformers import GenerationConfig, GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+try:
+    from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule, drop_last
+except ImportError:  # imported as a top-level module from the repo root or an installed project
+    from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule, drop_last
+
+ROUTED = ("generate", "_get_candidate_generator", "_get_stopping_criteria")
+# what each wrapped method must still take for the routing to work
+NEEDED_PARAMETERS = {
+    "generate": {"inputs", "generation_config", "assistant_model", "streamer"},
+    "_get_candidate_generator": {"generation_config", "logits_processor"},
+    "_get_stopping_criteria": {"generation_config", "stopping_criteria"},
+}
+
+
+class TokenStopping(StoppingCriteria):
+    """Checks the call's criteria at each prefix a step added (never inside the prompt), streams the tokens that
+    plain decoding would have produced, and records the length at which plain decoding would have stopped.
+
+    transformers 4.x also asks whether the unverified candidates would stop (`is_done_candidate`), only to keep one
+    token fewer; while `verifying()` is true the answer is "no", since the committed check truncates at the stop anyway.
+    """
+
+    def __init__(self, criteria: StoppingCriteriaList, prompt_len: int, streamer: BaseStreamer | None = None,
+                 verifying=lambda: False):
+        self.criteria, self.checked, self.streamer, self.verifying = criteria, prompt_len, streamer, verifying
+        self.stop_length = None
+
+    def first_stop(self, input_ids: torch.LongTensor, scores=None) -> int | None:
+        """The shortest new prefix at which the criteria stop, if any."""
+        for length in range(self.checked + 1, input_ids.shape[1] + 1):
+            if bool(self.criteria(input_ids[:, :length], scores).all()):
+                return length
+        return None
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        if self.verifying():
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        stop = self.first_stop(input_ids, scores)
+        done = torch.full((input_ids.shape[0],), stop is not None, dtype=torch.bool, device=input_ids.device)
+        self.stop_length, end = stop, stop or input_ids.shape[1]
+        if self.streamer is not None and end > self.checked:
+            self.streamer.put(input_ids[0, self.checked : end].cpu())
+        self.checked = input_ids.shape[1]
+        return done
+
+
+class PromptStreamer(BaseStreamer):
+    """Hands transformers' first `put` (the prompt) and `end` to the user's streamer; `TokenStopping` streams the rest."""
+
+    def __init__(self, streamer: BaseStreamer):
+        self.streamer, self.prompt_sent = streamer, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_sent:
+            self.prompt_sent = True
+            self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+class DFlashCall:
+    """One `target.generate` call with a DFlash assistant: builds its candidate generator and its stopping."""
+
+    def __init__(self, target, draft, prompt_len: int, streamer: BaseStreamer | None, *, block_size: int, builtin: bool):
+        self.target, self.draft, self.prompt_len, self.streamer = target, draft, prompt_len, streamer
+        self.block_size, self.builtin = block_size, builtin
+        self.generators: list[DFlashCandidateGenerator] = []
+        self.stopping: TokenStopping | None = None
+
+    def get_candidate_generator(self, original, target, *args, **kwargs):
+        if self.builtin:  # transformers' own `speculation_type="dflash"` generator
+            return original(target, *args, **kwargs)
+        bound = bind(original, target, args, kwargs)
+        proposal = getattr(self.draft, "dflash_proposal", "argmax")  # `draft.dflash_proposal = "sample"` to compare
+        generator = DFlashCandidateGenerator(target, self.draft, bound["generation_config"], bound["logits_processor"],
+                                             proposal=proposal, block_size=self.block_size)
+        self.generators.append(generator)
+        return generator
+
+    def get_stopping_criteria(self, original, target, *args, **kwargs):
+        verifying = lambda: any(g.proposed for g in self.generators)  # noqa: E731
+        self.stopping = TokenStopping(original(target, *args, **kwargs), self.prompt_len, self.streamer, verifying)
+        return StoppingCriteriaList([self.stopping])
+
+    def close(self) -> None:
+        for generator in self.generators:
+            generator.close()
+
+
+def bind(method, self, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, as `method` would see them, with its `**kwargs` merged in."""
+    signature = inspect.signature(method)
+    bound = signature.bind(self, *args, **kwargs).arguments
+    var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    return {**{k: v for k, v in bound.items() if k != var_kw}, **bound.get(var_kw, {})}
+
+
+def is_dflash_draft(model) -> bool:
+    """Duck-typed: remote code loads its own copy of our classes, so `isinstance` would miss them."""
+    return callable(getattr(model, "_dflash_assisted_generate", None))
+
+
+def requested_block_size(draft, call: dict) -> int:
+    """`num_assistant_tokens` drafted tokens plus the last token, when the call sets it; else the draft's block size."""
+    drafted = call.get("num_assistant_tokens")
+    config = call.get("generation_config")
+    if drafted is None and config is not None and config.num_assistant_tokens != GenerationConfig().num_assistant_tokens:
+        drafted = config.num_assistant_tokens
+    return draft.config.block_size if drafted is None else int(drafted) + 1
+
+
+def prompt_ids(call: dict) -> torch.Tensor:
+    ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
+    if ids is None or call.get("inputs_embeds") is not None:
+        raise ValueError(
+            "DFlash needs the prompt as input_ids: the draft embeds token ids and reads target features of every "
+            "prompt token, so a call with inputs_embeds (or with no prompt) is not supported"
+        )
+    return ids
+
+
+def check_assisted_call(target, draft, call: dict) -> None:
+    """Refuses, before any compute, what transformers' assisted loop or DFlash cannot do."""
+    config = call.get("generation_config") or target.generation_config
+    setting = lambda name: call.get(name, getattr(config, name, None))  # noqa: E731
+    ids = prompt_ids(call)
+    if ids.shape[0] != 1:
+        raise ValueError(f"DFlash decodes one sequence at a time (batch size 1); got batch size {ids.shape[0]}")
+    if (setting("num_return_sequences") or 1) > 1:
+        raise ValueError("num_return_sequences > 1 is not supported with a DFlash assistant")
+    if (setting("num_beams") or 1) > 1:
+        raise ValueError("beam search (num_beams > 1) is not supported with a DFlash assistant")
+    if call.get("assistant_tokenizer") is not None:
+        raise ValueError("assistant_tokenizer is not supported with a DFlash assistant: a DFlash draft shares the target's tokenizer")
+    if requested_block_size(draft, call) < 2:
+        raise ValueError(f"num_assistant_tokens must be at least 1 with a DFlash assistant, got {requested_block_size(draft, call) - 1}")
+    check_schedule(setting("num_assistant_tokens_schedule"))
+    if setting("cache_implementation") not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic cache")
+    cache = call.get("past_key_values", call.get("cache"))
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            "a pre-filled past_key_values is not supported with a DFlash assistant: the draft needs the target "
+            "features of every prompt token; pass the whole prompt without a cache"
+        )
+    check_draft_fits_target(draft, target)
+
+
+def routing_problem() -> str | None:
+    """What, if anything, in the installed transformers breaks the routing."""
+    for name, params in NEEDED_PARAMETERS.items():
+        method = getattr(GenerationMixin, name, None)
+        original = getattr(method, "__wrapped__", method)
+        if original is None or not params <= set(inspect.signature(original).parameters):
+            return f"transformers {transformers.__version__} changed GenerationMixin.{name}, which DFlash routing relies on"
+    return None
+
+
+def assisted_generate(generate, target, call: dict):
+    """`generate` with the DFlash candidate generator and per-token stopping active for this call only."""
+    draft = call["assistant_model"]
+    check_assisted_call(target, draft, call)
+    builtin = call.get("speculation_type") is not None
+    if builtin and not hasattr(GenerationConfig(), "speculation_type"):
+        raise ValueError(f"speculation_type needs transformers 5.15 or newer; {transformers.__version__} is installed")
+    if (problem := routing_problem()) is not None:
+        raise RuntimeError(problem + "; use draft.spec_generate(target=...) instead")
+    prompt_len = prompt_ids(call).shape[1]
+    dflash = DFlashCall(target, draft, prompt_len, call.get("streamer"), block_size=requested_block_size(draft, call), builtin=builtin)
+    if dflash.streamer is not None:
+        call["streamer"] = PromptStreamer(dflash.streamer)
+    calls = active_calls()
+    previous, calls.current = getattr(calls, "current", None), dflash
+    try:
+        result = generate(target, **call)
+    finally:
+        calls.current = previous
+        dflash.close()
+    if dflash.stopping is None or not (builtin or dflash.generators):
+        raise RuntimeError(f"transformers {transformers.__version__} did not build the DFlash candidate generator and stopping")
+    sequences = result if isinstance(result, torch.Tensor) else result.sequences
+    return truncate_output(result, dflash.stopping.stop_length or sequences.shape[1], prompt_len)
+
+
+def truncate_output(result, length: int, prompt_len: int):
+    """Cuts the sequences, and per-token scores or logits, where plain decoding would have stopped."""
+    if isinstance(result, torch.Tensor):
+        return result[:, :length]
+    result.sequences = result.sequences[:, :length]
+    for name in ("scores", "logits", "hidden_states", "attentions"):  # one entry per new token
+        if getattr(result, name, None) is not None:
+            setattr(result, name, getattr(result, name)[: length - prompt_len])
+    for name in ("cache", "past_key_values"):
+        if (cache := getattr(result, name, None)) is not None:
+            drop_last(cache, cache.get_seq_length() - (length - 1))
+    return result
+
+
+def active_calls() -> threading.local:
+    """Running DFlash calls per thread, shared by every copy of this module."""
+    return GenerationMixin._dflash_calls
+
+
+def install_generate_routing() -> None:
+    """Wraps `GenerationMixin.generate` and the two methods it consults, once per process."""
+    if getattr(GenerationMixin.generate, "_dflash_routing", False):
+        return
+    GenerationMixin._dflash_calls = threading.local()
+    original_generate = GenerationMixin.generate
+
+    @functools.wraps(original_generate)
+    def generate(self, *args, **kwargs):
+        try:
+            call = bind(original_generate, self, args, kwargs)
+        except TypeError:  # let transformers report its own argument errors
+            return original_generate(self, *args, **kwargs)
+        draft = call.get("assistant_model")
+        if not is_dflash_draft(draft):
+            return original_generate(self, *args, **kwargs)
+        call.pop("self")
+        return draft._dflash_assisted_generate(original_generate, self, call)
+
+    generate._dflash_routing = True
+    GenerationMixin.generate = generate
+    for name in ROUTED[1:]:
+        setattr(GenerationMixin, name, routed(getattr(GenerationMixin, name), name))
+
+
+def routed(original, name: str):
+    """`original`, except inside a DFlash call on this thread and target, where the call's own method answers."""
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        call = getattr(active_calls(), "current", None)
+        if call is None or call.target is not self:
+            return original(self, *args, **kwargs)
+        return getattr(call, name.lstrip("_"))(original, self, *args, **kwargs)
+
+    return method
+
+
+install_generate_routing()

@@ -1,0 +1,211 @@
+"""Every public decoding route on the real default target (SmolLM2-135M-Instruct) and the shipped draft, with
+chat-templated prompts, compared token for token with plain `target.generate`.
+
+Chat prompts hold the EOS token `<|im_end|>` before their end, and the answers end with it, run long, or hit stop
+strings: what the tiny random models in the other tests never produce.
+"""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from transformers import AutoModel, GenerationConfig, TextIteratorStreamer
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = {
+    "math": "What is 17 times 23? Answer with the number only.",
+    "code": "Write a Python function that returns the n-th Fibonacci number.",
+    "chat": "Give me three tips for sleeping better.",
+}
+MAX_NEW = 48
+HAS_BUILTIN = hasattr(GenerationConfig(), "speculation_type")
+
+
+@pytest.fixture(scope="module")
+def models():
+    from default_target import load_default_target
+
+    torch.set_num_threads(2)
+    target, tokenizer = load_default_target()
+    draft = AutoModel.from_pretrained(ROOT, trust_remote_code=True).eval()
+    return target, tokenizer, draft
+
+
+@pytest.fixture(scope="module")
+def prompts(models):
+    _, tokenizer, _ = models
+    encode = lambda text: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    ids = {name: encode(text) for name, text in PROMPTS.items()}
+    assert all(tokenizer.eos_token_id in x[0].tolist() for x in ids.values()), "chat prompts hold the EOS token"
+    return ids
+
+
+_plain_cache: dict = {}
+
+
+def plain(target, tok, ids, max_new_tokens=MAX_NEW, **kwargs):
+    """Plain greedy `target.generate`, memoised per prompt and settings."""
+    key = (tuple(ids[0].tolist()), max_new_tokens, repr(sorted((k, v) for k, v in kwargs.items() if k != "tokenizer")))
+    if key not in _plain_cache:
+        _plain_cache[key] = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                            do_sample=False, pad_token_id=tok.eos_token_id, **kwargs)
+    return _plain_cache[key]
+
+
+def assisted(target, tok, draft, ids, max_new_tokens=MAX_NEW, **kwargs):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=max_new_tokens,
+                           do_sample=False, pad_token_id=tok.eos_token_id, **kwargs)
+
+
+class DraftCalls:
+    """Counts draft forward passes, to prove the route drafted."""
+
+    def __init__(self, draft):
+        self.count, self.draft = 0, draft
+
+    def __enter__(self):
+        self.handle = self.draft.register_forward_hook(lambda *args: setattr(self, "count", self.count + 1))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def test_some_answer_ends_with_eos_inside_the_budget(models, prompts):
+    target, tokenizer, _ = models
+    out = plain(target, tokenizer, prompts["math"])
+    assert out[0, -1] == tokenizer.eos_token_id and out.shape[1] - prompts["math"].shape[1] < MAX_NEW
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+def test_spec_generate_equals_plain(models, prompts, block_size, schedule):
+    target, tokenizer, draft = models
+    for name, ids in prompts.items():
+        expected = plain(target, tokenizer, ids)
+        with DraftCalls(draft) as calls:
+            stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id],
+                                        block_size=block_size, block_size_schedule=schedule, return_stats=True)
+        assert torch.equal(stats.output_ids, expected), f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1]:])!r}"
+        assert calls.count == len(stats.acceptance_lengths) >= 1
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_assisted_generate_equals_plain(models, prompts, name):
+    target, tokenizer, draft = models
+    ids = prompts[name]
+    with DraftCalls(draft) as calls:
+        out = assisted(target, tokenizer, draft, ids)
+    assert torch.equal(out, plain(target, tokenizer, ids)), tokenizer.decode(out[0, ids.shape[1]:])
+    assert calls.count >= 1
+
+
+def test_assisted_generate_with_stop_strings_and_eos_lists(models, prompts):
+    target, tokenizer, draft = models
+    ids = prompts["code"]
+    free = tokenizer.decode(plain(target, tokenizer, ids)[0, ids.shape[1]:])
+    word = free.split()[len(free.split()) // 2]  # a word from the middle of the answer
+    for extra in ({"stop_strings": [word], "tokenizer": tokenizer},
+                  {"eos_token_id": [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(":")]}):
+        expected = plain(target, tokenizer, ids, **extra)
+        assert expected.shape[1] < ids.shape[1] + MAX_NEW, f"{extra} never stops plain decoding"
+        assert torch.equal(assisted(target, tokenizer, draft, ids, **extra), expected), extra
+
+
+def test_max_new_tokens_landing_inside_an_accepted_block(models, prompts):
+    target, tokenizer, draft = models
+    for ids in prompts.values():
+        stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id], return_stats=True)
+        done = 1  # the prefill's token
+        for length in stats.acceptance_lengths:
+            if length >= 2 and done + length < stats.num_output_tokens:
+                limit = done + 1  # one token into a block of which the draft had at least one right
+                out = assisted(target, tokenizer, draft, ids, max_new_tokens=limit)
+                assert out.shape[1] == ids.shape[1] + limit
+                assert torch.equal(out, plain(target, tokenizer, ids, max_new_tokens=limit))
+                return
+            done += length
+    pytest.fail("the shipped draft accepted no drafted token on any prompt")
+
+
+def test_assisted_generate_streams_what_it_returns(models, prompts):
+    target, tokenizer, draft = models
+    ids = prompts["chat"]
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", assisted(target, tokenizer, draft, ids, streamer=streamer)))
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    assert torch.equal(result["out"], plain(target, tokenizer, ids))
+    assert text == tokenizer.decode(result["out"][0, ids.shape[1]:])
+
+
+def test_assisted_generate_returns_plain_scores(models, prompts):
+    target, tokenizer, draft = models
+    ids = prompts["math"]
+    args = dict(return_dict_in_generate=True, output_scores=True)
+    expected = plain(target, tokenizer, ids, **args)
+    out = assisted(target, tokenizer, draft, ids, **args)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert len(out.scores) == len(expected.scores) == expected.sequences.shape[1] - ids.shape[1]
+    for ours, theirs in zip(out.scores, expected.scores):
+        torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=1e-4)
+
+
+def test_transformers_builtin_dflash_route(models, prompts):
+    target, tokenizer, draft = models
+    ids = prompts["code"]
+    if not HAS_BUILTIN:
+        with pytest.raises(ValueError, match="speculation_type needs transformers 5.15 or newer"):
+            assisted(target, tokenizer, draft, ids, speculation_type="dflash")
+        return
+    with DraftCalls(draft) as calls:
+        out = assisted(target, tokenizer, draft, ids, speculation_type="dflash")
+    assert torch.equal(out, plain(target, tokenizer, ids)) and calls.count >= 1
+
+
+def top_k_support(target, out: torch.Tensor, prompt_len: int, k: int) -> list[bool]:
+    """Whether each new token of `out` is among the target's top `k` at its prefix."""
+    with torch.no_grad():
+        logits = target(out).logits[0, prompt_len - 1 : -1]
+    top = logits.topk(k, dim=-1).indices
+    return [bool((top[i] == t).any()) for i, t in enumerate(out[0, prompt_len:].tolist())]
+
+
+def test_sampling_keeps_the_processors_support(models, prompts):
+    """Seeded sampling runs through both routes and never emits a token that top-k excludes (the exact-distribution
+    chi-square tests run on the tiny models)."""
+    target, tokenizer, draft = models
+    ids = prompts["chat"]
+    torch.manual_seed(0)
+    with DraftCalls(draft) as calls:
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=True,
+                              temperature=0.8, top_k=4, top_p=0.9, max_new_tokens=MAX_NEW, pad_token_id=tokenizer.eos_token_id)
+    assert calls.count >= 1 and all(top_k_support(target, out, ids.shape[1], 4))
+    stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, temperature=0.8, return_stats=True,
+                                generator=torch.Generator().manual_seed(0), stop_token_ids=[tokenizer.eos_token_id])
+    assert stats.num_output_tokens >= 1 and len(stats.acceptance_lengths) >= 1
+
+
+def test_demo_prints_identical_output():
+    result = subprocess.run([sys.executable, "-m", "demo", PROMPTS["math"], "--max-new-tokens", "24"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "output identical to plain greedy" in result.stdout, result.stdout[-2000:]
+
+
+def test_bench_assisted_method_matches_plain(tmp_path):
+    from bench.run import main
+
+    code = main(["--dataset", "gsm,humaneval", "--max-samples", "1", "--max-new-tokens", "32", "--temperature", "0",
+                 "--methods", "spec-generate,assisted", "--threads", "2", "--out", str(tmp_path)])
+    summary = (tmp_path / "summary.txt").read_text()
+    assert code == 0 and "differ" in summary, summary
