@@ -159,7 +159,8 @@ def drop_last(cache: DynamicCache, num_tokens: int) -> None:
         cache.crop(-num_tokens)
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
+    """The name `model.forward` takes its cache by: `cache` on transformers 5.24+, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -206,7 +207,7 @@ def spec_generate(
     check_draft_fits_target(self, target)
     stops = set(stop_token_ids or [])
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    layer_ids, cache_name = self.config.target_layer_ids, _cache_kwarg(target)
+    layer_ids, cache_name = self.config.target_layer_ids, cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     input_ids = input_ids.to(target.device)
     prompt_len = input_ids.shape[1]

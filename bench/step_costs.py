@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from default_target import load_default_target
+from generation_dflash import cache_kwarg
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +35,13 @@ def main() -> None:
     target, _ = load_default_target()
     draft = DFlashDraftModel.from_pretrained(ROOT).eval()
     cache = DynamicCache()
-    target(torch.randint(100, 1000, (1, 64)), past_key_values=cache, use_cache=True)
+    with_cache = {cache_kwarg(target): cache}
+    target(torch.randint(100, 1000, (1, 64)), use_cache=True, **with_cache)
     for block in (1, 2, 4, 8, 16):
         ids = torch.randint(100, 1000, (1, block))
 
         def verify():
-            target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            target(ids, use_cache=True, output_hidden_states=True, **with_cache)
             cache.crop(-block)  # keep the context at 64 tokens
 
         print(f"target pass over {block:2d} tokens: {mean_ms(verify, args.repeats):6.1f} ms")

@@ -327,3 +327,96 @@ def test_uncroppable_target_is_refused(monkeypatch):
     monkeypatch.setattr(target, "_is_stateful", True)
     with pytest.raises(ValueError, match="LlamaForCausalLM keeps a recurrent state"):
         run_generate(target, make_draft(), torch.tensor([[5, 6]]), max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments as users pass them.
+
+
+def test_positional_generation_config_is_routed():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 20)
+    oracle = OracleDraft(make_draft_config()).eval().setup(target, expected, 3)
+    config = GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    out = target.generate(ids, config, assistant_model=oracle, attention_mask=torch.ones_like(ids))
+    assert torch.equal(out, expected) and len(oracle.calls) >= 3
+
+
+def test_num_assistant_tokens_sets_the_block_size():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 20)
+    oracle = OracleDraft(make_draft_config(block_size=8)).eval().setup(target, expected, 7)
+    assert torch.equal(run_generate(target, oracle, ids, max_new_tokens=20, num_assistant_tokens=3), expected)
+    assert set(oracle.blocks) == {4}, oracle.blocks
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("inputs_embeds", "DFlash needs the prompt as input_ids"),
+        ("past_key_values", "a pre-filled past_key_values is not supported"),
+        ("assistant_tokenizer", "assistant_tokenizer is not supported"),
+    ],
+)
+def test_arguments_dflash_cannot_honour_are_refused(extra, message):
+    from transformers import DynamicCache
+
+    from generation_dflash import cache_kwarg
+
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    if extra == "inputs_embeds":
+        kwargs = {"inputs_embeds": target.get_input_embeddings()(ids)}
+        ids = None
+    elif extra == "past_key_values":
+        cache = DynamicCache()
+        target(torch.tensor([[5, 6]]), use_cache=True, **{cache_kwarg(target): cache})
+        kwargs = {"past_key_values": cache}
+    else:
+        kwargs = {"assistant_tokenizer": make_tokenizer(), "tokenizer": make_tokenizer()}
+    calls, handle = count_target_passes(target)
+    with pytest.raises(ValueError, match=message):
+        target.generate(ids, assistant_model=make_draft(), max_new_tokens=4, do_sample=False, pad_token_id=0, **kwargs)
+    handle.remove()
+    assert not calls
+    assert_target_untouched(target)
+
+
+def test_call_runs_the_drafts_own_copy_of_the_code(monkeypatch):
+    """Remote code loads one copy of our modules per revision; each draft's call goes through its own copy."""
+    target, draft, seen = make_target("llama"), make_draft(), []
+    own = draft._dflash_assisted_generate
+    monkeypatch.setattr(draft, "_dflash_assisted_generate", lambda *args: seen.append(1) or own(*args))
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(run_generate(target, draft, ids, max_new_tokens=8), greedy_reference(target, ids, 8)) and seen
+
+
+def test_concurrent_calls_in_threads_stay_exact():
+    """Per-call state is thread-local: DFlash calls on two targets and a plain call run at once, all exact."""
+    import threading
+
+    ids = torch.tensor([[5, 6, 7]])
+    targets = [make_target("llama", seed=s) for s in (0, 1, 2)]
+    expected = [greedy_reference(t, ids, 24) for t in targets]
+    drafts = [OracleDraft(make_draft_config()).eval().setup(t, e, k) for t, e, k in zip(targets[:2], expected, (2, 5))]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(3):
+                if i < 2:
+                    results[i] = run_generate(targets[i], drafts[i], ids, max_new_tokens=24)
+                else:
+                    results[i] = greedy_reference(targets[i], ids, 24)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert all(torch.equal(results[i], expected[i]) for i in range(3)) and all(len(d.calls) >= 9 for d in drafts)
