@@ -29,6 +29,9 @@ def check_fits_target(config, *, num_layers: int, hidden_size: int, vocab_size: 
         )
     if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab_size:
         raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocab of {vocab_size}")
+    vocab = (config.dflash_config or {}).get("draft_vocab")  # MLX args and torch configs both keep it here
+    if vocab is not None and (not vocab or min(vocab) < 0 or max(vocab) >= vocab_size):
+        raise ValueError(f"dflash_config.draft_vocab must hold token ids in [0, {vocab_size}), got {len(vocab)} ids")
 
 
 class DFlashConfig(Qwen3Config):
@@ -78,6 +81,19 @@ class DFlashConfig(Qwen3Config):
     @target_layer_ids.setter
     def target_layer_ids(self, value: list[int]) -> None:
         self.dflash_config = {**self.dflash_config, "target_layer_ids": list(value)}
+
+    @property
+    def draft_vocab(self) -> list[int] | None:
+        """Sorted token ids the draft was trained to propose (FR-Spec style); None: the whole vocabulary.
+
+        Kept in `dflash_config`, which the serving engines read by key, so they load the checkpoint and use the full head.
+        """
+        return self.dflash_config.get("draft_vocab")
+
+    @draft_vocab.setter
+    def draft_vocab(self, value: list[int] | None) -> None:
+        dflash = {k: v for k, v in self.dflash_config.items() if k != "draft_vocab"}
+        self.dflash_config = dflash if value is None else {**dflash, "draft_vocab": sorted(int(t) for t in value)}
 
     @property
     def mask_token_id(self) -> int | None:

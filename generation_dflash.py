@@ -9,6 +9,7 @@ given a prefix of target samples, so the output has exactly the target's distrib
 """
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -110,14 +111,32 @@ def accepted_length(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> 
     return int(torch.cumprod(draft_tokens == target_tokens, dim=-1).sum())
 
 
-def draft_logits(draft, embed, lm_head, last_token, context, start, cache, block_size) -> torch.Tensor:
-    """One draft pass: `[1, block_size - 1, vocab]` logits for the tokens after `last_token` (at position `start`)."""
+def draft_head(draft, lm_head) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's head as the draft proposes with it: over `config.draft_vocab` only, when the draft was trained on
+    that subset (FR-Spec), with -inf for every other token; the target still verifies over its whole vocabulary."""
+    vocab = getattr(draft.config, "draft_vocab", None)
+    if vocab is None:
+        return lm_head
+    ids = torch.tensor(vocab, device=lm_head.weight.device)
+    weight, bias = lm_head.weight[ids], None if lm_head.bias is None else lm_head.bias[ids]
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        full = logits.new_full((*logits.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, ids, logits)
+
+    return head
+
+
+def draft_logits(draft, embed, head, last_token, context, start, cache, block_size) -> torch.Tensor:
+    """One draft pass: `[1, block_size - 1, vocab]` logits for the tokens after `last_token` (at position `start`).
+    `head` maps hidden states to logits (`draft_head`)."""
     block = torch.full((1, block_size), draft.config.mask_token_id, dtype=torch.long, device=last_token.device)
     block[:, :1] = last_token
     positions = torch.arange(start - context.shape[1], start + block_size, device=block.device)[None]
     hidden = draft(noise_embeds=embed(block), context_hidden_states=context, position_ids=positions, past_key_values=cache)
     drop_last(cache, block_size)  # the cache keeps committed context only; the block is re-drafted next round
-    return lm_head(hidden.last_hidden_state[:, 1:])
+    return head(hidden.last_hidden_state[:, 1:])
 
 
 def next_block_size(block_size: int, accepted: int, max_block_size: int) -> int:
@@ -206,7 +225,7 @@ def spec_generate(
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
     stops = set(stop_token_ids or [])
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed, head = target.get_input_embeddings(), draft_head(self, target.get_output_embeddings())
     layer_ids, cache_name = self.config.target_layer_ids, cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     input_ids = input_ids.to(target.device)
@@ -225,7 +244,7 @@ def spec_generate(
     block = block_size
     while len(new_tokens) < max_new_tokens and first_stop(new_tokens, stops) is None:
         last = torch.tensor([[new_tokens[-1]]], device=input_ids.device)
-        drafted = draft_logits(self, embed, lm_head, last, context, start, draft_cache, block).argmax(dim=-1)
+        drafted = draft_logits(self, embed, head, last, context, start, draft_cache, block).argmax(dim=-1)
         # verify: the target scores `[last, d_1 .. d_{B-1}]` in one pass
         verify_ids = torch.cat([last, drafted], dim=1)
         positions = torch.arange(start, start + block, device=verify_ids.device)[None]
@@ -282,6 +301,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.cache, self.context_len, self.features, self.proposed = DynamicCache(), 0, {}, False
+        self.head = draft_head(draft, target.get_output_embeddings())
         layers = decoder_layers(target)
         self.hooks = [layers[i].register_forward_hook(self._capture(i)) for i in draft.config.target_layer_ids]
 
@@ -309,8 +329,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ids = self.draft.config.target_layer_ids
         new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
         context = torch.cat([self.features[i][:, :new] for i in ids], dim=-1)
-        embed, lm_head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
-        logits = draft_logits(self.draft, embed, lm_head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
+        embed = self.target.get_input_embeddings()
+        logits = draft_logits(self.draft, embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
         logits = logits[:, :max_new].float()
         self.context_len = committed
         if self.proposal == "argmax":

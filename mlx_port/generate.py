@@ -74,6 +74,17 @@ def target_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
     return head if head is not None else model.model.embed_tokens.as_linear
 
 
+def draft_head(draft: Model, head: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+    """`head` as the draft proposes with it: -inf outside `dflash_config.draft_vocab` when the draft was trained on
+    that subset (FR-Spec); the target still verifies over its whole vocabulary."""
+    vocab = draft.args.dflash_config.get("draft_vocab")
+    if vocab is None:
+        return head
+    penalty = mx.full((draft.args.vocab_size,), -mx.inf)
+    penalty[mx.array(vocab)] = 0.0
+    return lambda hidden: head(hidden) + penalty
+
+
 def check_draft_fits_target(draft: Model, model: nn.Module) -> None:
     """Raises a ValueError naming the first mismatch between the draft's config and the target."""
     embed = model.model.embed_tokens
@@ -202,7 +213,7 @@ def dflash_generate_step(
     is_hybrid = check_target_cache(cache)
     draft_cache = draft.make_cache(sliding_window_size)
     sampler = sampler or greedy_sampler
-    layer_ids, embed, head = draft.target_layer_ids, model.model.embed_tokens, target_head(model)
+    layer_ids, embed, head = draft.target_layer_ids, model.model.embed_tokens, draft_head(draft, target_head(model))
     masks = [draft.mask_token_id] * (block_size - 1)
 
     def sample(logits: mx.array) -> mx.array:

@@ -399,6 +399,22 @@ def test_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, draft,
     assert max(all_taus) > 1, "the test needs real acceptance, not only rejections"
 
 
+def test_draft_vocab_matches_torch(target_dir, target, draft_dir, work):
+    """A draft with `dflash_config.draft_vocab` proposes from that subset in both frameworks: same tokens and
+    acceptance lengths as torch, and output equal to mlx-lm's greedy decoding."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = [t for t in range(VOCAB) if t % 3 != 1]
+    folder = edit_config(draft_dir, work / "draft-vocab", lambda c: c["dflash_config"].update(draft_vocab=vocab))
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    torch_draft = DFlashDraftModel.from_pretrained(folder).eval()
+    assert torch_draft.config.draft_vocab == vocab
+    stats = torch_draft.spec_generate(torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=8, return_stats=True)
+    tokens, taus = run(target, load_draft(str(folder)), PROMPT, block_size=8, max_tokens=30)
+    assert tokens == stats.output_ids[0, 3:].tolist() == mlx_greedy(target, PROMPT, 30)
+    assert taus == stats.acceptance_lengths
+
+
 def test_oracle_acceptance_matches_torch(target_dir, target, draft_dir):
     """Both loops accept the same number of tokens per round when the draft is right for exactly k tokens."""
     from transformers import AutoModelForCausalLM

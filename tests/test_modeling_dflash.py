@@ -175,7 +175,7 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
     assert keys == published, f"extra {keys - published}, missing {published - keys}"
     assert not any(k.startswith(("eagle_", "speculators_config", "sample_from_anchor")) for k in config)
     assert config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
-    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"):
+    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py", "routing_dflash.py"):
         assert (tmp_path / name).exists(), name
 
 
@@ -184,6 +184,20 @@ def test_engines_read_saved_config_without_remote_code(tmp_path, draft):
     config = AutoConfig.from_pretrained(tmp_path)  # what vLLM and SGLang do
     assert type(config).__name__ == "Qwen3Config"
     assert config.dflash_config["target_layer_ids"] == [0, 2] and config.block_size == 8
+
+
+def test_draft_vocab_is_saved_where_engines_ignore_it(tmp_path, draft):
+    """The FR-Spec subset lives in `dflash_config`, which the engines read by key: they load the checkpoint as it is
+    and use the full head; our loader gets the subset back."""
+    draft.config.draft_vocab = [9, 3, 40]
+    try:
+        draft.save_pretrained(tmp_path)
+    finally:
+        draft.config.draft_vocab = None
+    engine = AutoConfig.from_pretrained(tmp_path)
+    assert type(engine).__name__ == "Qwen3Config" and engine.dflash_config["target_layer_ids"] == [0, 2]
+    assert set(load_file(tmp_path / "model.safetensors")) == set(zlab_weights({**ZLAB_CONFIG, "num_hidden_layers": 2}))
+    assert DFlashConfig.from_pretrained(tmp_path).draft_vocab == [3, 9, 40]
 
 
 def test_remote_code_round_trip_in_fresh_process(tmp_path, draft):

@@ -17,7 +17,7 @@ from conftest import (
     make_draft_config,
     make_target,
 )
-from generation_dflash import accepted_length, check_draft_fits_target
+from generation_dflash import accepted_length, check_draft_fits_target, draft_head
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
@@ -180,3 +180,49 @@ def test_heuristic_schedule_adapts_block_and_stays_exact(k, blocks):
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="block size schedule 'heuristic_transient' is not supported"):
         make_draft().spec_generate(target=make_target("llama"), input_ids=torch.tensor([[5]]), block_size_schedule="heuristic_transient")
+
+
+def verified_blocks(target):
+    """Records the token ids of every target pass after the prefill (the verified blocks)."""
+    passes = []
+    handle = target.register_forward_pre_hook(lambda m, args, kwargs: passes.append(kwargs["input_ids"][0].tolist()), with_kwargs=True)
+    return passes, handle
+
+
+def test_draft_head_keeps_the_draft_vocab_only():
+    target = make_target("llama")
+    draft = make_draft()
+    draft.config.draft_vocab = [3, 9, 40]
+    hidden = torch.randn(1, 5, target.config.hidden_size)
+    full, limited = target.lm_head(hidden), draft_head(draft, target.lm_head)(hidden)
+    torch.testing.assert_close(limited[..., [3, 9, 40]], full[..., [3, 9, 40]])  # a smaller matmul may round apart
+    assert bool(limited[..., [t for t in range(VOCAB) if t not in (3, 9, 40)]].isneginf().all())
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_draft_vocab_limits_proposals_and_output_stays_exact(block_size):
+    """A draft trained on a token subset (`config.draft_vocab`) proposes only those tokens; the target still verifies
+    over all of them, so output equals plain greedy even where the target writes a token outside the subset."""
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    reference = greedy_reference(target, ids, 40 + block_size)
+    written = sorted(set(reference[0, 3:].tolist()))
+    vocab = [t for t in range(VOCAB) if t != written[0]]  # the target writes a token the draft cannot propose
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, block_size)
+    draft.config.draft_vocab = vocab
+    passes, handle = verified_blocks(target)
+    stats = draft.spec_generate(target, ids, max_new_tokens=40, block_size=block_size, return_stats=True)
+    handle.remove()
+    assert torch.equal(stats.output_ids, reference[:, :43])
+    assert all(t in vocab for block in passes[1:] for t in block[1:]), "a proposal outside draft_vocab"
+    assert max(stats.acceptance_lengths) == block_size and min(stats.acceptance_lengths) < block_size
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=40,
+                          do_sample=False, pad_token_id=0)
+    assert torch.equal(out, reference[:, :43])
+
+
+def test_draft_vocab_outside_the_target_vocab_is_refused():
+    target, draft = make_target("llama"), make_draft()
+    draft.config.draft_vocab = [1, VOCAB]
+    with pytest.raises(ValueError, match=r"draft_vocab must hold token ids in \[0, 64\)"):
+        check_draft_fits_target(draft, target)
