@@ -136,13 +136,129 @@ def test_loss_vocabulary_keeps_the_most_frequent_response_tokens():
     seqs = [Sequence("a", [9, 9, 5, 5, 5, 7], 2), Sequence("b", [1, 5, 7, 8], 1)]
     vocab = frequent_tokens(seqs, 2)
     assert vocab.tolist() == [5, 7]  # prompt tokens (9) do not count
-    index, mask = full_to_subset(torch.tensor([7, 8, 5]), torch.tensor([True, True, True]), vocab, True)
+    index, mask = full_to_subset(torch.tensor([7, 8, 5]), torch.tensor([True, True, True]), vocab)
     assert index[mask].tolist() == [1, 0] and mask.tolist() == [True, False, True]
     target = make_target("llama", initializer_range=0.2)
     loss, metrics = block_loss(tiny_draft(target), target, collate(random_sequences(2), 0), num_anchors=4,
                                generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0),
                                distill_weight=0.5, vocab=torch.arange(10, 40))
     assert torch.isfinite(loss) and 0 <= metrics["accuracy_1"] <= 1
+
+
+class TeacherOracle(torch.nn.Module):
+    """A "draft" whose hidden state at block position p is the target's own final hidden state at p - 1, so the
+    shared head gives exactly the target's next-token choice there."""
+
+    def __init__(self, config, final_hidden: torch.Tensor):
+        super().__init__()
+        self.config, self.final_hidden = config, final_hidden
+
+    def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask):
+        block_positions = position_ids[:, context_hidden_states.shape[1]:]
+        source = (block_positions - 1).clamp(0, self.final_hidden.shape[1] - 1)
+        hidden = self.final_hidden.gather(1, source[..., None].expand(-1, -1, self.final_hidden.shape[-1]))
+        return type("Out", (), {"last_hidden_state": hidden})()
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(VOCAB)])
+def test_a_draft_that_copies_the_target_scores_full_blocks(vocab):
+    """Pins the teacher offset: the label at block position k is the target's choice after position a + k - 1."""
+    from training.trainer import target_pass
+
+    target = make_target("llama", initializer_range=0.2)
+    batch = collate(random_sequences(2, length=40), pad_id=0)
+    config = tiny_draft(target).config
+    _, final_hidden = target_pass(target, batch["input_ids"], batch["lengths"], config.target_layer_ids)
+    _, metrics = block_loss(TeacherOracle(config, final_hidden), target, batch, num_anchors=8,
+                            generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0),
+                            distill_weight=0.5, vocab=vocab)
+    assert metrics["blocks"] > 0 and metrics["accuracy_1"] == 1.0 and metrics["tau"] == config.block_size
+
+
+def test_labels_outside_the_loss_vocabulary_are_misses():
+    """With a subset, the hard label stays the target's choice over all tokens: outside the subset it is a miss."""
+    from training.trainer import target_greedy, target_pass
+
+    target = make_target("llama", initializer_range=0.2)
+    batch = collate(random_sequences(2, length=40), pad_id=0)
+    config = tiny_draft(target).config
+    _, final_hidden = target_pass(target, batch["input_ids"], batch["lengths"], config.target_layer_ids)
+    written = target_greedy(target, final_hidden)[:, 6:-1].flatten().tolist()
+    common = max(set(written), key=written.count)
+    vocab = torch.tensor([t for t in range(VOCAB) if t != common])
+    _, metrics = block_loss(TeacherOracle(config, final_hidden), target, batch, num_anchors=30,
+                            generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0), distill_weight=0.5, vocab=vocab)
+    assert metrics["blocks"] > 0 and metrics["accuracy_1"] < 1.0 and metrics["tau"] < config.block_size
+
+
+def test_train_records_the_loss_vocabulary_in_the_draft_config(tmp_path):
+    target = make_target("llama")
+    draft = tiny_draft(target)
+    train(draft, target, random_sequences(4), tmp_path, quick_config(max_steps=1, train_vocab_size=12), progress=False)
+    assert len(draft.config.draft_vocab) == 12 and draft.config.draft_vocab == sorted(draft.config.draft_vocab)
+
+
+def test_resume_refuses_changed_settings_or_data(tmp_path):
+    target = make_target("llama")
+    data = random_sequences(8)
+    train(tiny_draft(target), target, data, tmp_path, quick_config(max_steps=6, stop_after=2), progress=False)
+    for config, seqs, changed in ((quick_config(max_steps=6, batch_size=4), data, "batch_size"),
+                                  (quick_config(max_steps=8), data, "max_steps"),
+                                  (quick_config(max_steps=6), random_sequences(8, seed=9), "data")):
+        with pytest.raises(ValueError, match=f"other training settings or data \\({changed}\\)"):
+            train(tiny_draft(target), target, seqs, tmp_path, config, progress=False)
+    summary = train(tiny_draft(target), target, data, tmp_path, quick_config(max_steps=8), progress=False, allow_changed_settings=True)
+    assert summary["step"] == 8
+
+
+def test_init_from_a_draft_folder_starts_from_its_weights(tmp_path):
+    from training.__main__ import initial_draft, parse_args
+
+    target = make_target("llama")
+    draft = tiny_draft(target)
+    draft.save_pretrained(tmp_path / "draft")
+    args = parse_args(["--output", str(tmp_path / "out"), "--init", str(tmp_path / "draft"), "--block-size", "8"])
+    loaded = initial_draft(args, target)
+    assert loaded.config.block_size == 8 and loaded.training
+    for (name, a), b in zip(draft.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(SystemExit, match="the draft there has num_layers=2"):
+        initial_draft(parse_args(["--output", "o", "--init", str(tmp_path / "draft"), "--num-layers", "3"]), target)
+    with pytest.raises(SystemExit, match="not 'target', 'random' or a draft folder"):
+        initial_draft(parse_args(["--output", "o", "--init", str(tmp_path / "nowhere")]), target)
+
+
+def test_cached_responses_only_selects_what_the_cache_holds(tmp_path):
+    from training.__main__ import cached_examples
+
+    cache = tmp_path / "responses.jsonl"
+    cache.write_text(json.dumps({"id": "p/1", "response_ids": [7, 8]}) + "\n")
+    examples = [{"id": f"p/{i}", "messages": [], "response": None, "source": "p"} for i in range(3)]
+    kept, responses = cached_examples(examples, cache)
+    assert [e["id"] for e in kept] == ["p/1"] and responses == {"p/1": [7, 8]}
+    with pytest.raises(SystemExit, match="holds no response for the 2 selected prompts"):
+        cached_examples(examples[2:] + examples[:1], tmp_path / "missing.jsonl")
+
+
+def test_export_refuses_a_draft_that_scores_below_the_shipped_one(tmp_path):
+    from training.export import install_if_better
+
+    target = make_target("llama")
+    repo, better, worse = tmp_path / "repo", tmp_path / "better", tmp_path / "worse"
+    repo.mkdir()
+    (repo / "modeling_dflash.py").write_text("# a model repo\n")
+    tiny_draft(target).save_pretrained(better)
+    tiny_draft(target, block_size=8).save_pretrained(worse)
+    score = lambda d: {4: 1.5, 8: 1.2}[d.config.block_size]  # noqa: E731 - scoring itself is `evaluate`'s test
+    assert install_if_better(better, repo, score) == {"new": 1.5}  # an empty repo takes any draft
+    shipped = (repo / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit, match="scores 1.200, below the shipped draft's 1.500; nothing was replaced"):
+        install_if_better(worse, repo, score)
+    assert (repo / "model.safetensors").read_bytes() == shipped
+    assert install_if_better(worse, repo, score, force=True) == {"new": 1.2, "shipped": 1.5}
+    assert json.loads((repo / "config.json").read_text())["block_size"] == 8
+    with pytest.raises(SystemExit, match="not a DFlash model repo"):
+        install_if_better(better, tmp_path, score)
 
 
 def test_resume_after_interruption_gives_identical_state(tmp_path):

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from generation_dflash import check_draft_fits_target
+from modeling_dflash import DFlashDraftModel
+
 from .data import disjoint_sources, load_examples, read_response_cache, regenerate_responses, tokenize_examples
 from .trainer import (
     TrainConfig,
@@ -38,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("data")
     g.add_argument("--data", action="append", help="training prompts: 'sharegpt' or a .jsonl file (repeatable; default sharegpt)")
     g.add_argument("--max-examples", type=int, help="use at most this many training prompts per source")
-    g.add_argument("--responses", choices=["target", "dataset"], default="target",
-                   help="'target': regenerate responses with the target (greedy, cached); 'dataset': teacher-force the data's own")
+    g.add_argument("--responses", choices=["target", "cached", "dataset"], default="target",
+                   help="'target': regenerate responses with the target (greedy, cached in <run-dir>/responses.jsonl); "
+                   "'cached': only the examples already in that cache, generating nothing; 'dataset': teacher-force the data's own")
     g.add_argument("--eval-data", default="mt-bench,humaneval,gsm", help="held-out sets (comma-separated; other sources than --data)")
     g.add_argument("--eval-examples", type=int, default=8, help="held-out prompts per set")
     g.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last this many prompt tokens")
@@ -47,11 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-new-tokens", type=int, default=256, help="response length when the target regenerates")
     g.add_argument("--regen-batch-size", type=int, default=16, help="prompts per batched generate call")
     d = p.add_argument_group("draft")
-    d.add_argument("--num-layers", type=int, default=3, help="draft decoder layers")
+    d.add_argument("--num-layers", type=int, help="draft decoder layers (default 3)")
     d.add_argument("--target-layer-ids", help="comma-separated target layers to read (default: the published spread)")
-    d.add_argument("--block-size", type=int, default=8, help="tokens per block, including the last committed one")
+    d.add_argument("--block-size", type=int, help="tokens per block, including the last committed one (default 8, or the --init draft's)")
     d.add_argument("--mask-token-id", type=int, help=f"mask token id (default {DEFAULT_MASK_TOKEN_ID} for the default target)")
-    d.add_argument("--init", choices=["target", "random"], default="target", help="warm-start the layers from the target's last layers")
+    d.add_argument("--init", default="target",
+                   help="'target': copy the target's last layers; 'random'; or a draft folder to continue from (its config is kept)")
     o = p.add_argument_group("optimisation")
     defaults = TrainConfig()
     o.add_argument("--num-anchors", type=int, default=defaults.num_anchors, help="random blocks per sequence per step")
@@ -59,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     o.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     o.add_argument("--warmup-ratio", type=float, default=defaults.warmup_ratio)
+    o.add_argument("--schedule", choices=["cosine", "wsd"], default=defaults.schedule,
+                   help="'cosine', or 'wsd': warm up, hold, then decay linearly over the last --decay-ratio of the steps")
+    o.add_argument("--decay-ratio", type=float, default=defaults.decay_ratio, help="fraction of steps that decay with --schedule wsd")
     o.add_argument("--epochs", type=int, default=defaults.epochs)
     o.add_argument("--max-steps", type=int, help="total steps (sets the cosine schedule); default epochs x batches")
     o.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
@@ -72,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints")
     o.add_argument("--time-budget-minutes", type=float, help="stop (checkpoint and write the draft) after this long")
     o.add_argument("--seed", type=int, default=defaults.seed)
+    o.add_argument("--allow-changed-settings", action="store_true",
+                   help="resume a run dir whose checkpoint was written with other settings or data")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--measure-tau", action="store_true", help="at the end, run greedy spec_generate on the held-out prompts")
     p.add_argument("--measure-max-new-tokens", type=int, default=96, help="tokens per prompt for --measure-tau")
@@ -88,6 +98,45 @@ def load_target(name: str):
     return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
 
 
+def initial_draft(args: argparse.Namespace, target):
+    """A new draft from the draft flags, or the draft in the `--init` folder (whose architecture flags must agree)."""
+    if args.init in ("target", "random"):
+        mask_id = args.mask_token_id if args.mask_token_id is not None else (DEFAULT_MASK_TOKEN_ID if args.target == "default" else None)
+        layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+        config = build_draft_config(target, num_layers=args.num_layers or 3, target_layer_ids=layer_ids,
+                                    block_size=args.block_size or 8, mask_token_id=mask_id)
+        return new_draft(target, config, init=args.init, seed=args.seed)
+    if not (Path(args.init) / "config.json").exists():
+        raise SystemExit(f"--init {args.init}: not 'target', 'random' or a draft folder with a config.json")
+    draft = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32)
+    given = {"num_layers": (args.num_layers, draft.config.num_hidden_layers), "mask_token_id": (args.mask_token_id, draft.config.mask_token_id),
+             "target_layer_ids": (args.target_layer_ids and [int(x) for x in args.target_layer_ids.split(",")], draft.config.target_layer_ids)}
+    clash = {k: v for k, v in given.items() if v[0] is not None and v[0] != v[1]}
+    if clash:
+        raise SystemExit(f"--init {args.init}: the draft there has {', '.join(f'{k}={v[1]}' for k, v in clash.items())}; drop the conflicting flags")
+    draft.config.block_size = args.block_size or draft.config.block_size
+    check_draft_fits_target(draft, target)
+    return draft.train()
+
+
+def held_out_sequences(target, tokenizer, eval_examples: dict[str, list[dict]], run_dir: Path, common: dict, regen: dict) -> dict:
+    """Held-out prompts with the target's own greedy responses (cached in `run_dir/eval-<name>.jsonl`), tokenized."""
+    sequences = {}
+    for name, examples in eval_examples.items():
+        responses = regenerate_responses(target, tokenizer, examples, run_dir / f"eval-{name}.jsonl", **regen)
+        sequences[name] = tokenize_examples(tokenizer, examples, regenerated=responses, **common)
+    return sequences
+
+
+def cached_examples(examples: list[dict], path: Path) -> tuple[list[dict], dict[str, list[int]]]:
+    """The examples whose responses `path` already holds, and those responses; nothing is generated."""
+    cache = read_response_cache(path)
+    kept = [e for e in examples if e["id"] in cache]
+    if not kept:
+        raise SystemExit(f"--responses cached: {path} holds no response for the {len(examples)} selected prompts")
+    return kept, cache
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -97,10 +146,7 @@ def main(argv=None) -> int:
     run_dir = args.run_dir or Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "runs" / args.output.name
     run_dir.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(args.target)
-    mask_id = args.mask_token_id if args.mask_token_id is not None else (DEFAULT_MASK_TOKEN_ID if args.target == "default" else None)
-    layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
-    draft_config = build_draft_config(target, num_layers=args.num_layers, target_layer_ids=layer_ids, block_size=args.block_size, mask_token_id=mask_id)
-    draft = new_draft(target, draft_config, init=args.init, seed=args.seed)
+    draft = initial_draft(args, target)
 
     train_examples = [e for source in (args.data or ["sharegpt"]) for e in load_examples(source, args.max_examples)]
     eval_names = [n for n in args.eval_data.split(",") if n]
@@ -111,11 +157,10 @@ def main(argv=None) -> int:
     regenerated = None
     if args.responses == "target":
         regenerated = regenerate_responses(target, tokenizer, train_examples, run_dir / "responses.jsonl", **regen)
+    elif args.responses == "cached":
+        train_examples, regenerated = cached_examples(train_examples, run_dir / "responses.jsonl")
     train_sequences = tokenize_examples(tokenizer, train_examples, regenerated=regenerated, **common)
-    eval_sequences = {}
-    for name, examples in eval_examples.items():
-        responses = regenerate_responses(target, tokenizer, examples, run_dir / f"eval-{name}.jsonl", **regen)
-        eval_sequences[name] = tokenize_examples(tokenizer, examples, regenerated=responses, **common)
+    eval_sequences = held_out_sequences(target, tokenizer, eval_examples, run_dir, common, regen)
     logging.info("%d training sequences (%d tokens); held-out: %s", len(train_sequences),
                  sum(len(s.input_ids) for s in train_sequences), {k: len(v) for k, v in eval_sequences.items()})
 
@@ -124,11 +169,13 @@ def main(argv=None) -> int:
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, epochs=args.epochs, max_steps=args.max_steps,
         grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight, label_source=args.label_source,
         train_vocab_size=args.train_vocab_size, updates_per_batch=args.updates_per_batch,
+        schedule=args.schedule, decay_ratio=args.decay_ratio,
         eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
         time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None,
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    summary = train(draft, target, train_sequences, run_dir, config, eval_sequences=eval_sequences, pad_id=pad_id)
+    summary = train(draft, target, train_sequences, run_dir, config, eval_sequences=eval_sequences, pad_id=pad_id,
+                    allow_changed_settings=args.allow_changed_settings)
     if not PartialState().is_main_process:
         return 0
     save_draft(draft, args.output, overwrite=args.overwrite)

@@ -4,6 +4,7 @@ The target's forward gives both the context features and its own next-token dist
 (its argmax, what decoding must match) and as soft labels for distillation.
 """
 
+import hashlib
 import json
 import logging
 import math
@@ -38,6 +39,8 @@ class TrainConfig:
     learning_rate: float = 6e-4
     weight_decay: float = 0.01
     warmup_ratio: float = 0.04
+    schedule: str = "cosine"  # "cosine", or "wsd": warm up, hold, then decay linearly over the last `decay_ratio` of steps
+    decay_ratio: float = 0.2
     epochs: int = 1
     max_steps: int | None = None
     grad_clip: float = 1.0
@@ -136,6 +139,14 @@ def target_pass(target, input_ids: torch.Tensor, lengths: torch.Tensor, layer_id
     return extract_context_features(out.hidden_states, layer_ids), out.last_hidden_state
 
 
+@torch.no_grad()
+def target_greedy(target, final_hidden: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """`[b, L]` the target's argmax over its full vocabulary after each position (chunked: the head is wide)."""
+    lm_head = target.get_output_embeddings()
+    flat = final_hidden.flatten(0, 1)
+    return torch.cat([lm_head(flat[i : i + chunk]).argmax(-1) for i in range(0, len(flat), chunk)]).view(final_hidden.shape[:2])
+
+
 def frequent_tokens(sequences: list[Sequence], size: int) -> torch.Tensor:
     """Sorted ids of the `size` most frequent response tokens: the vocabulary the loss is computed over."""
     counts = torch.zeros(max(max(s.input_ids) for s in sequences) + 1, dtype=torch.long)
@@ -146,13 +157,16 @@ def frequent_tokens(sequences: list[Sequence], size: int) -> torch.Tensor:
 
 def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch.Generator, weights: torch.Tensor,
                distill_weight: float, label_source: str = "target", vocab: torch.Tensor | None = None,
-               target_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+               target_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted block loss over `num_anchors` random blocks per sequence, all in one draft pass.
 
-    `vocab` restricts the teacher and draft logits to those token ids (the head is the costliest part on CPU);
-    decoding still uses the full head, and the target verifies every token. Returns the loss and metrics:
-    `accuracy_1` (first drafted token right) and `tau` (teacher-forced acceptance length, bonus included, over
-    blocks with all labels inside the sequence). `target_out` reuses an earlier `target_pass` of the same batch.
+    Hard labels are the target's argmax over its full vocabulary (`label_source="target"`; `greedy` from
+    `target_greedy` saves recomputing it) or the data's next tokens. `vocab` restricts the teacher and draft logits to
+    those token ids (the head is the costliest part on CPU): the draft then proposes only those at decode time, so
+    positions whose label lies outside `vocab` are left out of the loss but count as misses in the metrics.
+    Returns the loss and metrics: `accuracy_1` (first drafted token right) and `tau` (teacher-forced acceptance
+    length, bonus included, over blocks with all labels inside the sequence). `target_out` reuses a `target_pass`.
     """
     config = getattr(draft, "module", draft).config  # unwrapped config under DDP
     block, device = config.block_size, batch["input_ids"].device
@@ -160,66 +174,106 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     features, final_hidden = target_out or target_pass(target, input_ids, lengths, config.target_layer_ids)
     anchors, valid = sample_anchors(batch["loss_starts"].cpu(), lengths.cpu(), num_anchors, generator)
     anchors, valid = anchors.to(device), valid.to(device)
-    tokens, labels, label_mask = block_inputs(input_ids, anchors, valid, lengths, block, config.mask_token_id)
+    tokens, labels, in_sequence = block_inputs(input_ids, anchors, valid, lengths, block, config.mask_token_id)
     b, m = anchors.shape
     context_len = input_ids.shape[1]
     positions = torch.cat([torch.arange(context_len, device=device).expand(b, -1), (anchors[..., None] + torch.arange(block, device=device)).flatten(1)], dim=1)
     mask = additive_mask(anchor_attention_mask(anchors, context_len, block), torch.float32)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    # the shared head stays frozen even if the caller left the target trainable
-    head_weight, head_bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
-    if vocab is not None:
-        vocab = vocab.to(device)
-        head_weight, head_bias = head_weight[vocab], None if head_bias is None else head_bias[vocab]
-        labels, label_mask = full_to_subset(labels, label_mask, vocab, label_source == "data")
+    # the target's distribution for position a+k is its output at a+k-1
+    source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1).flatten(1)
+    head_weight, head_bias, vocab = frozen_head(target, vocab)
     with torch.no_grad():
-        noise = embed(tokens.flatten(1))
-        # the target's distribution for position a+k is its output at a+k-1
-        source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1)
-        gathered = final_hidden.gather(1, source.flatten(1)[..., None].expand(-1, -1, final_hidden.shape[-1]))
+        noise = target.get_input_embeddings()(tokens.flatten(1))
+        gathered = final_hidden.gather(1, source[..., None].expand(-1, -1, final_hidden.shape[-1]))
         teacher = torch.nn.functional.linear(gathered, head_weight, head_bias).float().view(b, m, block - 1, -1)
+    if label_source == "target" and vocab is None:
+        labels = teacher.argmax(-1)
+    elif label_source == "target":  # the teacher above sees `vocab` only; the label is its choice over all tokens
+        greedy = greedy if greedy is not None else target_greedy(target, final_hidden)
+        labels = greedy.gather(1, source).view(b, m, block - 1)
+    hard, trained = (labels, in_sequence) if vocab is None else full_to_subset(labels, in_sequence, vocab)
     hidden = draft(noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask).last_hidden_state
     logits = torch.nn.functional.linear(hidden.view(b, m, block, -1)[:, :, 1:], head_weight, head_bias).float()
-    hard = teacher.argmax(-1) if label_source == "target" else labels
     log_probs = logits.log_softmax(-1)
     hard_ce = -log_probs.gather(-1, hard[..., None])[..., 0]
     soft_ce = -(teacher.softmax(-1) * log_probs).sum(-1) if distill_weight > 0 else torch.zeros_like(hard_ce)
     per_token = (1 - distill_weight) * hard_ce + distill_weight * soft_ce
-    w = weights.to(device)[None, None] * label_mask
+    w = weights.to(device)[None, None] * trained
     loss = (per_token * w).sum() / w.sum().clamp(min=1e-6)
-    with torch.no_grad():
-        right = (logits.argmax(-1) == teacher.argmax(-1)) & label_mask
-        full = label_mask.all(-1)
-        accepted = right.long().cumprod(-1).sum(-1)
-        metrics = {
-            "accuracy_1": float(right[..., 0].sum() / label_mask[..., 0].sum().clamp(min=1)),
-            "tau": float((accepted[full] + 1).float().mean()) if bool(full.any()) else float("nan"),
-            "blocks": int(full.sum()),
-        }
-    return loss, metrics
+    proposed = logits.detach().argmax(-1)
+    return loss, block_metrics(proposed if vocab is None else vocab[proposed], labels, in_sequence)
 
 
-def full_to_subset(labels, label_mask, vocab, mask_missing: bool):
-    """Maps token ids to indices in the sorted `vocab`; labels outside it are masked when `mask_missing`."""
+def frozen_head(target, vocab: torch.Tensor | None):
+    """The target's head weight and bias, detached (the shared head never trains), restricted to `vocab` if given."""
+    lm_head = target.get_output_embeddings()
+    weight, bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
+    if vocab is None:
+        return weight, bias, None
+    vocab = vocab.to(weight.device)
+    return weight[vocab], None if bias is None else bias[vocab], vocab
+
+
+@torch.no_grad()
+def block_metrics(proposed: torch.Tensor, labels: torch.Tensor, in_sequence: torch.Tensor) -> dict:
+    """First-token accuracy and teacher-forced tau of `[b, m, B-1]` proposals against the labels."""
+    right = (proposed == labels) & in_sequence
+    full = in_sequence.all(-1)
+    accepted = right.long().cumprod(-1).sum(-1)
+    return {
+        "accuracy_1": float(right[..., 0].sum() / in_sequence[..., 0].sum().clamp(min=1)),
+        "tau": float((accepted[full] + 1).float().mean()) if bool(full.any()) else float("nan"),
+        "blocks": int(full.sum()),
+    }
+
+
+def full_to_subset(labels: torch.Tensor, label_mask: torch.Tensor, vocab: torch.Tensor):
+    """Maps token ids to indices in the sorted `vocab`, and masks the labels that lie outside it."""
     index = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
-    if mask_missing:
-        label_mask = label_mask & (vocab[index] == labels)
-    return index, label_mask
+    return index, label_mask & (vocab[index] == labels)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints and output.
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float):
+def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str = "cosine", decay_ratio: float = 0.2):
+    """LR factor by step (never by wall time, so a resumed run follows the same curve)."""
+    if schedule not in ("cosine", "wsd"):
+        raise ValueError(f"schedule must be 'cosine' or 'wsd', got {schedule!r}")
     warmup = max(1, round(total_steps * warmup_ratio))
+    decay_start = total_steps - max(1, round(total_steps * decay_ratio))
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if schedule == "wsd":
+            return 1.0 if step < decay_start else max(0.0, (total_steps - step) / (total_steps - decay_start))
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
 
     return factor
+
+
+FINGERPRINT_IGNORES = {"eval_every", "save_every", "time_budget_s", "stop_after"}
+
+
+def settings_fingerprint(config: TrainConfig, sequences: list[Sequence]) -> dict:
+    """What decides which batch, anchors and LR each step gets: the settings and a hash of the training data."""
+    data = hashlib.sha256()
+    for s in sequences:
+        data.update(f"{s.id}:{s.loss_start}:{','.join(map(str, s.input_ids))};".encode())
+    settings = {k: v for k, v in asdict(config).items() if k not in FINGERPRINT_IGNORES}
+    return {**settings, "data": data.hexdigest()}
+
+
+def check_resume(saved: dict | None, current: dict, path: Path) -> None:
+    """Refuses to resume a run whose settings or data changed: the steps left would see other batches and LRs."""
+    changed = sorted(k for k in current if (saved or {}).get(k) != current[k])
+    if changed:
+        raise ValueError(
+            f"{path} was written with other training settings or data ({', '.join(changed)}); resuming would remap "
+            "batches and the LR schedule. Use another --run-dir, or --allow-changed-settings to continue anyway."
+        )
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -295,12 +349,15 @@ def evaluate(draft, target, sequences: dict[str, list[Sequence]], *, num_anchors
     """Held-out loss and teacher-forced tau per set, with fixed anchors so numbers compare across steps."""
     draft.eval()
     results = {}
+    # tau as decoding sees it: a draft trained on a subset proposes from that subset only
+    vocab = None if draft.config.draft_vocab is None else torch.tensor(draft.config.draft_vocab, device=target.device)
     for name, seqs in sequences.items():
         generator = torch.Generator().manual_seed(seed)
         losses, taus, blocks = [], [], 0
         for i in range(0, len(seqs), batch_size):
             batch = {k: v.to(target.device) for k, v in collate(seqs[i : i + batch_size], pad_id).items()}
-            loss, metrics = block_loss(draft, target, batch, num_anchors=num_anchors, generator=generator, weights=weights, distill_weight=0.0)
+            loss, metrics = block_loss(draft, target, batch, num_anchors=num_anchors, generator=generator, weights=weights,
+                                       distill_weight=0.0, vocab=vocab)
             losses.append(float(loss))
             if metrics["blocks"]:
                 taus.append(metrics["tau"] * metrics["blocks"])
@@ -313,8 +370,12 @@ def evaluate(draft, target, sequences: dict[str, list[Sequence]], *, num_anchors
 def train(
     draft: DFlashDraftModel, target, train_sequences: list[Sequence], run_dir: Path, config: TrainConfig, *,
     eval_sequences: dict[str, list[Sequence]] | None = None, pad_id: int = 0, accelerator=None, progress: bool = True,
+    allow_changed_settings: bool = False,
 ) -> dict:
     """Trains `draft` in place against the frozen `target`, resuming from `run_dir/checkpoint.pt` if present.
+
+    With `train_vocab_size`, the draft's config records that vocabulary (`draft_vocab`), which decoding then proposes
+    from. A checkpoint written with other settings or data is refused unless `allow_changed_settings`.
 
     Returns a summary with the last step, the last held-out evaluation and whether training finished.
     """
@@ -327,17 +388,22 @@ def train(
     target.requires_grad_(False).eval().to(accelerator.device)
     weights = loss_weights(draft.config.block_size, config.gamma or default_gamma(draft.config.block_size))
     vocab = frequent_tokens(train_sequences, config.train_vocab_size) if config.train_vocab_size else None
+    draft.config.draft_vocab = None if vocab is None else vocab.tolist()
+    fingerprint = settings_fingerprint(config, train_sequences)
     repeats = config.updates_per_batch
     steps_per_epoch = repeats * len(batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes))
     total_steps = config.max_steps or steps_per_epoch * config.epochs
     optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, config.warmup_ratio))
+    factor = lr_lambda(total_steps, config.warmup_ratio, config.schedule, config.decay_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     step, history = 0, []
     checkpoint_path = Path(run_dir) / CHECKPOINT_NAME
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
         if state["draft_config"] != draft.config.to_dict():
             raise ValueError(f"{checkpoint_path} was written for a different draft config; use another --run-dir")
+        if not allow_changed_settings:
+            check_resume(state.get("fingerprint"), fingerprint, checkpoint_path)
         draft.load_state_dict(state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -350,7 +416,8 @@ def train(
     def save() -> None:
         if accelerator.is_main_process:
             state = {"draft": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                     "step": step, "history": history, "draft_config": model.config.to_dict(), "train_config": asdict(config)}
+                     "step": step, "history": history, "draft_config": model.config.to_dict(), "train_config": asdict(config),
+                     "fingerprint": fingerprint}
             atomic_torch_save(state, checkpoint_path)
         accelerator.wait_for_everyone()
 
@@ -375,13 +442,15 @@ def train(
         if cached is None or cached[0] != (epoch, index // repeats):
             ids = batch_order(len(train_sequences), config.batch_size, epoch, config.seed, accelerator.process_index, accelerator.num_processes)[index // repeats]
             batch = {k: v.to(accelerator.device) for k, v in collate([train_sequences[i] for i in ids], pad_id).items()}
-            cached = ((epoch, index // repeats), batch, target_pass(target, batch["input_ids"], batch["lengths"], model.config.target_layer_ids))
-        batch, target_out = cached[1], cached[2]
+            target_out = target_pass(target, batch["input_ids"], batch["lengths"], model.config.target_layer_ids)
+            greedy = target_greedy(target, target_out[1]) if vocab is not None and config.label_source == "target" else None
+            cached = ((epoch, index // repeats), batch, target_out, greedy)
+        batch, target_out, greedy = cached[1:]
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         loss, metrics = block_loss(draft, target, batch,
                                    num_anchors=config.num_anchors, generator=generator, weights=weights,
                                    distill_weight=config.distill_weight, label_source=config.label_source, vocab=vocab,
-                                   target_out=target_out)
+                                   target_out=target_out, greedy=greedy)
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
         optimizer.step()
