@@ -30,6 +30,8 @@ def convert_gguf(destination: Path) -> None:
     source = gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE)
+    # transformers 4.57's GGUF tokenizer takes `<|im_start|>` as EOS; the GGUF's own eos id (in the config) is right
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
     model.hf_quantizer = None  # plain weights from here on; the saved checkpoint must not claim to be quantized
     model.config.quantization_config = None
     if hasattr(model.config, "__dict__"):
@@ -45,8 +47,11 @@ def convert_gguf(destination: Path) -> None:
 
 
 def default_target_path() -> Path:
-    """Path of the converted default target, converting it on first use."""
-    path = cache_dir() / NAME
+    """Path of the converted default target, converting it on first use (once per transformers major version: the
+    tokenizer files transformers 5 writes do not load in 4.x)."""
+    import transformers
+
+    path = cache_dir() / f"{NAME}-transformers{transformers.__version__.split('.')[0]}"
     if not (path / "config.json").exists():
         convert_gguf(path)
     return path
