@@ -312,6 +312,22 @@ def test_regenerated_responses_are_cached_and_reused(tmp_path, monkeypatch):
     assert [s.loss_start for s in seqs] == [len(tok.apply_chat_template(e["messages"])) for e in examples]
 
 
+def test_processes_regenerate_disjoint_shares_that_join(tmp_path):
+    """Under `accelerate launch`, each process generates every world-th prompt into its own shard; reading the cache
+    afterwards joins them into what one process would have written."""
+    from training.data import read_response_cache
+
+    target, tok = make_target("llama"), TinyTokenizer()
+    examples = [{"id": f"p/{i}", "messages": [{"role": "user", "content": f"hi {i}"}], "response": None, "source": "p"} for i in range(5)]
+    alone = regenerate_responses(target, tok, examples, tmp_path / "one" / "responses.jsonl", batch_size=1, max_new_tokens=4, progress=False)
+    for rank in (0, 1):
+        regenerate_responses(target, tok, examples, tmp_path / "two" / "responses.jsonl", batch_size=1, max_new_tokens=4,
+                             progress=False, rank=rank, world=2)
+    shards = [read_response_cache(tmp_path / "two" / f"responses.rank{r}.jsonl") for r in (0, 1)]
+    assert sorted(shards[0]) == ["p/0", "p/2", "p/4"] and sorted(shards[1]) == ["p/1", "p/3"]
+    assert read_response_cache(tmp_path / "two" / "responses.jsonl") == alone
+
+
 def test_jsonl_sources_and_truncated_json_arrays(tmp_path):
     path = tmp_path / "mine.jsonl"
     lines = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, {"text": "plain"}, {"prompt": "p"}]

@@ -82,20 +82,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--seed", type=int, default=defaults.seed)
     o.add_argument("--allow-changed-settings", action="store_true",
                    help="resume a run dir whose checkpoint was written with other settings or data")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype for regeneration and its frozen passes (the draft trains in float32)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--measure-tau", action="store_true", help="at the end, run greedy spec_generate on the held-out prompts")
     p.add_argument("--measure-max-new-tokens", type=int, default=96, help="tokens per prompt for --measure-tau")
     return p.parse_args(argv)
 
 
-def load_target(name: str):
+def load_target(name: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name == "default":
         from default_target import load_default_target
 
-        return load_default_target()
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
+        return load_default_target(dtype)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
 
 
 def initial_draft(args: argparse.Namespace, target):
@@ -145,7 +147,9 @@ def main(argv=None) -> int:
     check_output_dir(args.output, args.overwrite)
     run_dir = args.run_dir or Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "runs" / args.output.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load_target(args.target)
+    state = PartialState()
+    target, tokenizer = load_target(args.target, args.dtype)
+    target.to(state.device)  # regeneration and the target passes run where training does
     draft = initial_draft(args, target)
 
     train_examples = [e for source in (args.data or ["sharegpt"]) for e in load_examples(source, args.max_examples)]
@@ -155,12 +159,16 @@ def main(argv=None) -> int:
     common = dict(max_prompt_tokens=args.max_prompt_tokens, max_length=args.max_length)
     regen = dict(batch_size=args.regen_batch_size, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
     regenerated = None
-    if args.responses == "target":
-        regenerated = regenerate_responses(target, tokenizer, train_examples, run_dir / "responses.jsonl", **regen)
+    if args.responses == "target":  # each process generates its share, then all read every share
+        regenerate_responses(target, tokenizer, train_examples, run_dir / "responses.jsonl", **regen,
+                             rank=state.process_index, world=state.num_processes)
+        state.wait_for_everyone()
+        regenerated = read_response_cache(run_dir / "responses.jsonl")
     elif args.responses == "cached":
         train_examples, regenerated = cached_examples(train_examples, run_dir / "responses.jsonl")
     train_sequences = tokenize_examples(tokenizer, train_examples, regenerated=regenerated, **common)
-    eval_sequences = held_out_sequences(target, tokenizer, eval_examples, run_dir, common, regen)
+    with state.main_process_first():  # one process writes the held-out cache; the others then only read it
+        eval_sequences = held_out_sequences(target, tokenizer, eval_examples, run_dir, common, regen)
     logging.info("%d training sequences (%d tokens); held-out: %s", len(train_sequences),
                  sum(len(s.input_ids) for s in train_sequences), {k: len(v) for k, v in eval_sequences.items()})
 
@@ -176,7 +184,7 @@ def main(argv=None) -> int:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     summary = train(draft, target, train_sequences, run_dir, config, eval_sequences=eval_sequences, pad_id=pad_id,
                     allow_changed_settings=args.allow_changed_settings)
-    if not PartialState().is_main_process:
+    if not state.is_main_process:
         return 0
     save_draft(draft, args.output, overwrite=args.overwrite)
     result = {"output": str(args.output), "run_dir": str(run_dir), "step": summary["step"], "finished": summary["finished"],

@@ -159,11 +159,19 @@ def response_cache_key(example: dict) -> str:
     return example["id"]
 
 
+def shard_path(path: Path, rank: int) -> Path:
+    """Where process `rank` of a multi-process run appends its share of a response cache."""
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
 def read_response_cache(path: Path) -> dict[str, list[int]]:
-    """`{id: response_ids}` from an append-only JSONL cache; a half-written last line is ignored."""
+    """`{id: response_ids}` from an append-only JSONL cache and its per-process shards; a half-written last line
+    is ignored."""
     cached = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
+    for part in [path, *sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}"))]:
+        if not part.exists():
+            continue
+        for line in part.read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
@@ -175,19 +183,22 @@ def read_response_cache(path: Path) -> dict[str, list[int]]:
 @torch.inference_mode()
 def regenerate_responses(
     target, tokenizer, examples: list[dict], cache_path: Path, *, batch_size: int = 16, max_new_tokens: int = 256,
-    max_prompt_tokens: int = 256, progress: bool = True,
+    max_prompt_tokens: int = 256, progress: bool = True, rank: int = 0, world: int = 1,
 ) -> dict[str, list[int]]:
     """Greedy responses of the target for every example, batched and appended to `cache_path` as they finish.
-    Examples already in the cache are not generated again, so an interrupted run resumes where it stopped."""
+    Examples already in the cache are not generated again, so an interrupted run resumes where it stopped.
+    With `world > 1`, process `rank` generates every `world`-th missing example into its own shard file; once all
+    processes are done, `read_response_cache(cache_path)` holds every response."""
     from tqdm.auto import tqdm
 
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     cached = read_response_cache(cache_path)
-    todo = [e for e in examples if response_cache_key(e) not in cached and e["messages"] is not None]
+    mine = examples[rank::world]  # by position in the whole list, so shares never depend on what is cached
+    todo = [e for e in mine if response_cache_key(e) not in cached and e["messages"] is not None]
     stop_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bar = tqdm(total=len(todo), desc="regenerating responses", unit="prompt", disable=not progress or not todo)
-    with cache_path.open("a", encoding="utf-8") as f:
+    with (cache_path if world == 1 else shard_path(cache_path, rank)).open("a", encoding="utf-8") as f:
         for i in range(0, len(todo), batch_size):
             batch = todo[i : i + batch_size]
             prompts = [encode_prompt(tokenizer, e["messages"], max_prompt_tokens) for e in batch]
