@@ -261,17 +261,47 @@ def test_export_refuses_a_draft_that_scores_below_the_shipped_one(tmp_path):
         install_if_better(better, tmp_path, score)
 
 
-def test_resume_after_interruption_gives_identical_state(tmp_path):
+def test_preconditioned_fc_keeps_the_function_and_saves_the_published_layout(tmp_path):
+    """`--precondition-fc` trains fc in units of each feature channel's RMS; the draft computes the same function
+    before and after, and what training returns and saves is a plain `fc.weight`."""
+    from safetensors.torch import load_file
+
+    from training.trainer import feature_scale, fold_fc, precondition_fc
+
+    target = make_target("llama")
+    draft, data = tiny_draft(target), random_sequences(4)
+    noise, ctx = torch.randn(1, 4, 64), torch.randn(1, 6, 128) * torch.logspace(-1, 2, 128)
+    before = draft(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state
+    scale = feature_scale(target, data, draft.config.target_layer_ids, 0)
+    assert scale.shape == (128,) and bool((scale > 0).all())
+    precondition_fc(draft, scale)
+    torch.testing.assert_close(draft(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state, before)
+    fold_fc(draft)
+    torch.testing.assert_close(draft(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state, before)
+
+    trained = tiny_draft(target)
+    train(trained, target, data, tmp_path / "run", quick_config(max_steps=3, precondition_fc=True), progress=False)
+    assert not torch.nn.utils.parametrize.is_parametrized(trained.fc)
+    save_draft(trained, tmp_path / "out")
+    assert "fc.weight" in load_file(tmp_path / "out" / "model.safetensors")
+    loaded = type(trained).from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(loaded(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state,
+                               trained.eval()(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state)
+    assert not torch.equal(loaded.fc.weight, tiny_draft(target).fc.weight)  # fc did train
+
+
+@pytest.mark.parametrize("precondition_fc", [False, True])
+def test_resume_after_interruption_gives_identical_state(tmp_path, precondition_fc):
     target = make_target("llama")
     data = random_sequences(8)
     straight = tiny_draft(target)
-    train(straight, target, data, tmp_path / "straight", quick_config(max_steps=6, updates_per_batch=2), progress=False)
+    train(straight, target, data, tmp_path / "straight", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc), progress=False)
 
     resumed = tiny_draft(target)  # stopped in the middle of a batch's two updates
-    summary = train(resumed, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, stop_after=3), progress=False)
+    summary = train(resumed, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc, stop_after=3), progress=False)
     assert summary == {"step": 3, "finished": False, "history": []}
     again = tiny_draft(target)  # a fresh process: everything comes from the checkpoint
-    summary = train(again, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2), progress=False)
+    summary = train(again, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc), progress=False)
     assert summary["step"] == 6
     for (name, a), b in zip(straight.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name

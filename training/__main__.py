@@ -75,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--updates-per-batch", type=int, default=defaults.updates_per_batch,
                    help="optimizer steps per target pass, each with fresh anchors (reuses the target's features)")
     o.add_argument("--train-vocab-size", type=int, help="compute the loss over the N most frequent response tokens only (faster on CPU)")
+    o.add_argument("--precondition-fc", action="store_true",
+                   help="train fc in units of each feature channel's RMS (saved folded into fc.weight, the published layout)")
     o.add_argument("--label-source", choices=["target", "data"], default=defaults.label_source, help="hard labels: target argmax or data tokens")
     o.add_argument("--eval-every", type=int, default=defaults.eval_every, help="steps between held-out evaluations")
     o.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints")
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
         num_anchors=args.num_anchors, batch_size=args.batch_size, learning_rate=args.learning_rate,
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, epochs=args.epochs, max_steps=args.max_steps,
         grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight, label_source=args.label_source,
-        train_vocab_size=args.train_vocab_size, updates_per_batch=args.updates_per_batch,
+        train_vocab_size=args.train_vocab_size, updates_per_batch=args.updates_per_batch, precondition_fc=args.precondition_fc,
         schedule=args.schedule, decay_ratio=args.decay_ratio,
         eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
         time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None,

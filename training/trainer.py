@@ -49,6 +49,7 @@ class TrainConfig:
     updates_per_batch: int = 1  # optimizer steps per target pass, each with fresh anchors (the target pass dominates on CPU)
     train_vocab_size: int | None = None  # train over the most frequent response tokens only (FR-Spec); None: all
     label_source: str = "target"  # "target": the target's argmax; "data": the sequence's own next token
+    precondition_fc: bool = False  # train `fc` per input channel in units of that feature channel's RMS
     eval_every: int = 100
     save_every: int = 50
     time_budget_s: float | None = None
@@ -115,6 +116,44 @@ def warm_start_from_target(draft: DFlashDraftModel, target) -> list[int]:
         draft.norm.weight.copy_(base.norm.weight)
     draft.hidden_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
     return sources
+
+
+class InputScale(torch.nn.Module):
+    """`fc.weight = P / scale` per input channel, with `P` trained: Adam then moves every feature channel's share of
+    the context alike, however large the channel (SmolLM2's features span channel RMS from about 1 to 400)."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / self.scale
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.scale
+
+
+@torch.no_grad()
+def feature_scale(target, sequences: list[Sequence], layer_ids: list[int], pad_id: int) -> torch.Tensor:
+    """Per-channel RMS of the target's context features over `sequences`, leaving out position 0: an attention
+    sink whose features reach norms of 25k in SmolLM2."""
+    batch = collate(sequences, pad_id)
+    lengths = batch["lengths"].to(target.device)
+    features, _ = target_pass(target, batch["input_ids"].to(target.device), lengths, layer_ids)
+    positions = torch.arange(features.shape[1], device=features.device)
+    valid = (positions[None] < lengths[:, None]) & (positions[None] > 0)
+    return features[valid].float().pow(2).mean(0).sqrt().clamp(min=1e-3)
+
+
+def precondition_fc(draft: DFlashDraftModel, scale: torch.Tensor) -> None:
+    """Trains `fc` through `InputScale`; the function is unchanged (see `fold_fc`, which restores a plain weight)."""
+    torch.nn.utils.parametrize.register_parametrization(draft.fc, "weight", InputScale(scale.to(draft.fc.weight)))
+
+
+def fold_fc(draft: DFlashDraftModel) -> None:
+    """Replaces a preconditioned `fc` by its plain weight, the published layout."""
+    if torch.nn.utils.parametrize.is_parametrized(draft.fc):
+        torch.nn.utils.parametrize.remove_parametrizations(draft.fc, "weight", leave_parametrized=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -393,6 +432,8 @@ def train(
     repeats = config.updates_per_batch
     steps_per_epoch = repeats * len(batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes))
     total_steps = config.max_steps or steps_per_epoch * config.epochs
+    if config.precondition_fc:
+        precondition_fc(draft, feature_scale(target, train_sequences[:8], draft.config.target_layer_ids, pad_id))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     factor = lr_lambda(total_steps, config.warmup_ratio, config.schedule, config.decay_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -469,6 +510,7 @@ def train(
     save()
     if finished and (not history or history[-1]["step"] != step):
         run_eval()
+    fold_fc(model)
     return {"step": step, "finished": finished, "history": history}
 
 
