@@ -1,4 +1,5 @@
-"""Per-step costs behind DFlash's speed on this machine: target passes over B tokens, the draft's layers and head.
+"""Per-step costs behind DFlash's speed on this machine: target passes over B tokens, the draft's layers and head
+(the full head, and the draft's own vocabulary when it has one).
 
     python -m bench.step_costs [--threads 1] [--repeats 5]
 """
@@ -11,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from default_target import load_default_target
-from generation_dflash import cache_kwarg
+from generation_dflash import cache_kwarg, draft_head
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,12 +46,16 @@ def main() -> None:
             cache.crop(-block)  # keep the context at 64 tokens
 
         print(f"target pass over {block:2d} tokens: {mean_ms(verify, args.repeats):6.1f} ms")
-    block = draft.config.block_size
-    noise = target.get_input_embeddings()(torch.full((1, block), draft.config.mask_token_id))
+    full_head, head = target.get_output_embeddings(), draft_head(draft, target.get_output_embeddings())
+    vocab = len(draft.config.draft_vocab) if draft.config.draft_vocab else "all"
     features = torch.randn(1, 64, len(draft.config.target_layer_ids) * draft.config.hidden_size)
-    print(f"draft layers, block {block}:     {mean_ms(lambda: draft(noise_embeds=noise, context_hidden_states=features), args.repeats):6.1f} ms")
-    hidden = torch.randn(1, block - 1, draft.config.hidden_size)
-    print(f"target head over {block - 1} positions: {mean_ms(lambda: target.get_output_embeddings()(hidden), args.repeats):6.1f} ms")
+    for block in (2, 8, 16):
+        noise = target.get_input_embeddings()(torch.full((1, block), draft.config.mask_token_id))
+        hidden = torch.randn(1, block - 1, draft.config.hidden_size)
+        layers = mean_ms(lambda: draft(noise_embeds=noise, context_hidden_states=features), args.repeats)
+        full, own = mean_ms(lambda: full_head(hidden), args.repeats), mean_ms(lambda: head(hidden), args.repeats)
+        print(f"draft layers, block {block:2d}: {layers:5.1f} ms; head over {block - 1:2d} positions: "
+              f"{full:5.1f} ms full, {own:5.1f} ms over the draft's vocabulary ({vocab} tokens)")
 
 
 if __name__ == "__main__":
