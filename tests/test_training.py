@@ -248,15 +248,19 @@ def test_export_refuses_a_draft_that_scores_below_the_shipped_one(tmp_path):
     repo.mkdir()
     (repo / "modeling_dflash.py").write_text("# a model repo\n")
     tiny_draft(target).save_pretrained(better)
-    tiny_draft(target, block_size=8).save_pretrained(worse)
-    score = lambda d: {4: 1.5, 8: 1.2}[d.config.block_size]  # noqa: E731 - scoring itself is `evaluate`'s test
+    config = build_draft_config(target, num_layers=1, target_layer_ids=[0, 2], block_size=8, mask_token_id=MASK_ID)
+    new_draft(target, config, init="random").save_pretrained(worse)
+    seen = []
+    # the policy under test; the scoring itself is `evaluate`, tested above
+    score = lambda d: seen.append((d.config.num_hidden_layers, d.config.block_size)) or {2: 1.5, 1: 1.2}[d.config.num_hidden_layers]  # noqa: E731
     assert install_if_better(better, repo, score) == {"new": 1.5}  # an empty repo takes any draft
     shipped = (repo / "model.safetensors").read_bytes()
     with pytest.raises(SystemExit, match="scores 1.200, below the shipped draft's 1.500; nothing was replaced"):
         install_if_better(worse, repo, score)
     assert (repo / "model.safetensors").read_bytes() == shipped
     assert install_if_better(worse, repo, score, force=True) == {"new": 1.2, "shipped": 1.5}
-    assert json.loads((repo / "config.json").read_text())["block_size"] == 8
+    assert json.loads((repo / "config.json").read_text())["num_hidden_layers"] == 1
+    assert seen[-2:] == [(1, 8), (2, 8)]  # the shipped draft (block 4) is scored at the new draft's block size
     with pytest.raises(SystemExit, match="not a DFlash model repo"):
         install_if_better(better, tmp_path, score)
 

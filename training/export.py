@@ -2,7 +2,8 @@
 
 Only those two files change; the repo's code files stay as they are. The draft is loaded strictly first, so a
 broken or foreign folder is refused before anything is replaced. A draft that scores lower than the one already in
-the repo (mean held-out teacher-forced tau on the target's greedy responses) is refused unless `--force`.
+the repo (mean held-out teacher-forced tau on the target's greedy responses, both at the new draft's block size) is
+refused unless `--force`.
 """
 
 import argparse
@@ -27,7 +28,9 @@ def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftM
     new = DFlashDraftModel.from_pretrained(draft_dir).eval()  # strict: missing or extra tensors raise
     scores = {"new": score(new)}
     if all((repo / name).exists() for name in DRAFT_FILES):
-        scores["shipped"] = score(DFlashDraftModel.from_pretrained(repo).eval())
+        shipped = DFlashDraftModel.from_pretrained(repo).eval()
+        shipped.config.block_size = new.config.block_size  # same blocks for both: a shipped config may serve smaller ones
+        scores["shipped"] = score(shipped)
         if scores["new"] < scores["shipped"] and not force:
             raise SystemExit(f"{draft_dir} scores {scores['new']:.3f}, below the shipped draft's {scores['shipped']:.3f}; "
                              "nothing was replaced (--force installs it anyway)")
@@ -36,7 +39,7 @@ def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftM
 
 
 def held_out_score(args: argparse.Namespace) -> Callable[[DFlashDraftModel], float]:
-    """Mean held-out teacher-forced tau of a draft, each at its own block size, as training logs it."""
+    """Mean held-out teacher-forced tau of a draft at its configured block size, as training logs it."""
     from .__main__ import held_out_sequences, load_target
     from .anchors import default_gamma, loss_weights
     from .data import load_examples
