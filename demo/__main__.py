@@ -1,6 +1,6 @@
 """The main job: stream a DFlash generation on the embedded default, then time plain decoding of the same prompt.
 
-    python -m demo "Explain speculative decoding in one paragraph." [--max-new-tokens 128] [--block-size 2]
+    python -m demo "Explain speculative decoding in one paragraph." [--max-new-tokens 128] [--block-size B]
 """
 
 import argparse
@@ -20,7 +20,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("prompt", nargs="?", default="Explain speculative decoding in one paragraph.")
     parser.add_argument("--draft", default=str(ROOT), help="DFlash draft folder (default: this repo)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=2, help="tokens per block (2 measured best on a 2-core CPU)")
+    parser.add_argument("--block-size", type=int, help="tokens per block (default: the draft's config, which ships the best measured)")
     parser.add_argument("--block-size-schedule", choices=["constant", "heuristic"], default="constant")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
@@ -38,6 +38,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, tokenizer = load_default_target()
     draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True).eval()
+    args.block_size = args.block_size or draft.config.block_size
     messages = [{"role": "user", "content": args.prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], temperature=args.temperature)
