@@ -96,6 +96,17 @@ class DFlashConfig(Qwen3Config):
         self.dflash_config = dflash if value is None else {**dflash, "draft_vocab": sorted(int(t) for t in value)}
 
     @property
+    def tree_budget(self) -> int | None:
+        """Draft-tree nodes `spec_generate` verifies per round by default; None: the argmax chain. In `dflash_config`,
+        which the serving engines ignore (they verify chains)."""
+        return self.dflash_config.get("tree_budget")
+
+    @tree_budget.setter
+    def tree_budget(self, value: int | None) -> None:
+        dflash = {k: v for k, v in self.dflash_config.items() if k != "tree_budget"}
+        self.dflash_config = dflash if value is None else {**dflash, "tree_budget": int(value)}
+
+    @property
     def mask_token_id(self) -> int | None:
         return self.dflash_config.get("mask_token_id")
 

@@ -19,8 +19,10 @@ from transformers.generation.streamers import BaseStreamer
 
 try:
     from .configuration_dflash import check_fits_target
+    from .tree_dflash import check_tree_supported, compact_cache, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from configuration_dflash import check_fits_target
+    from tree_dflash import check_tree_supported, compact_cache, propose
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -89,6 +91,14 @@ def check_schedule(schedule: str | None) -> None:
         raise ValueError(f"block size schedule {schedule!r} is not supported with DFlash; use 'constant' or 'heuristic'")
 
 
+def check_tree_request(target, tree_budget: int | None, schedule: str, final_length: int) -> None:
+    if tree_budget is None:  # the chain
+        return
+    if schedule != "constant":
+        raise ValueError(f"block_size_schedule={schedule!r} adapts a chain; a tree (tree_budget={tree_budget}) needs 'constant'")
+    check_tree_supported(target, tree_budget, final_length)
+
+
 def refuse_generate(self, *args, **kwargs):
     """Reached only when transformers bypassed DFlash routing and treated the draft as an ordinary assistant."""
     raise RuntimeError(
@@ -104,11 +114,6 @@ def refuse_generate(self, *args, **kwargs):
 def extract_context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """Concatenates the outputs of `layer_ids`; `hidden_states[0]` is the embedding output, hence the `+ 1`."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-def accepted_length(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> int:
-    """Number of leading drafted tokens that equal the target's choice at the previous position."""
-    return int(torch.cumprod(draft_tokens == target_tokens, dim=-1).sum())
 
 
 def draft_head(draft, lm_head) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -201,6 +206,7 @@ def spec_generate(
     generator: torch.Generator | None = None,
     streamer: BaseStreamer | None = None,
     block_size_schedule: str = "constant",
+    tree_budget: int | None = None,
 ):
     """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
     identical tokens at `temperature=0`, the same distribution above it.
@@ -217,13 +223,18 @@ def spec_generate(
         streamer: optional transformers streamer; it gets the prompt, then each committed token once, in order.
         block_size_schedule: `"constant"`, or `"heuristic"` to adapt the block to acceptance (at most `block_size`),
             as transformers' `num_assistant_tokens_schedule` does.
+        tree_budget: verify a draft tree of this many nodes (depth at most `block_size - 1`, built best-first from
+            the one draft pass) instead of the argmax chain; 0 for the chain; defaults to `config.tree_budget`
+            (absent: the chain).
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
     block_size = block_size or self.config.block_size
+    tree_budget = (tree_budget if tree_budget is not None else self.config.tree_budget) or None
     check_generation_inputs(input_ids, max_new_tokens, block_size)
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
+    check_tree_request(target, tree_budget, block_size_schedule, input_ids.shape[1] + max_new_tokens + block_size)
     stops = set(stop_token_ids or [])
     embed, head = target.get_input_embeddings(), draft_head(self, target.get_output_embeddings())
     layer_ids, cache_name = self.config.target_layer_ids, cache_kwarg(target)
@@ -244,21 +255,22 @@ def spec_generate(
     block = block_size
     while len(new_tokens) < max_new_tokens and first_stop(new_tokens, stops) is None:
         last = torch.tensor([[new_tokens[-1]]], device=input_ids.device)
-        drafted = draft_logits(self, embed, head, last, context, start, draft_cache, block).argmax(dim=-1)
-        # verify: the target scores `[last, d_1 .. d_{B-1}]` in one pass
-        verify_ids = torch.cat([last, drafted], dim=1)
-        positions = torch.arange(start, start + block, device=verify_ids.device)[None]
-        out = target(input_ids=verify_ids, position_ids=positions, use_cache=True, output_hidden_states=True, **{cache_name: target_cache})
-        chosen = pick_tokens(out.logits, temperature, generator)
-        accepted = accepted_length(drafted[0], chosen[0, :-1])
-        new_tokens += drafted[0, :accepted].tolist() + [int(chosen[0, accepted])]
-        acceptance_lengths.append(accepted + 1)
-        # drop the rejected tail from the target cache; its keys were computed from wrong tokens
-        drop_last(target_cache, block - accepted - 1)
-        context = extract_context_features(out.hidden_states, layer_ids)[:, : accepted + 1]
-        start += accepted + 1
+        tree = propose(draft_logits(self, embed, head, last, context, start, draft_cache, block), tree_budget, temperature)
+        # verify: the target scores `[last ; drafted nodes]` in one pass; a chain needs only the causal mask
+        mask = None if tree.is_chain() else tree.attention_mask(start, target.dtype, input_ids.device)
+        verify_ids = torch.tensor([[new_tokens[-1], *tree.tokens]], device=input_ids.device)
+        out = target(input_ids=verify_ids, position_ids=tree.position_ids(start, input_ids.device), attention_mask=mask,
+                     use_cache=True, output_hidden_states=True, **{cache_name: target_cache})
+        chosen = pick_tokens(out.logits, temperature, generator)[0].tolist()
+        path = tree.accept(chosen)
+        new_tokens += [tree.tokens[node - 1] for node in path[1:]] + [chosen[path[-1]]]
+        acceptance_lengths.append(len(path))
+        # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
+        compact_cache(target_cache, start, path)
+        context = extract_context_features(out.hidden_states, layer_ids)[:, path]
+        start += len(path)
         if block_size_schedule == "heuristic":
-            block = next_block_size(block, accepted, block_size)
+            block = next_block_size(block, len(path) - 1, block_size)
         streamed = stream_tokens(streamer, new_tokens, streamed, output_length(new_tokens, stops, max_new_tokens))
 
     end = output_length(new_tokens, stops, max_new_tokens)

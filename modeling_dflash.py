@@ -21,11 +21,13 @@ try:
     from .generation_dflash import refuse_generate as _refuse_generate
     from .generation_dflash import spec_generate as _spec_generate
     from .routing_dflash import assisted_generate as _assisted_generate
+    from .tree_dflash import DraftTree  # imported here too: transformers 4.x copies a local repo's direct imports only
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from configuration_dflash import DFlashConfig
     from generation_dflash import refuse_generate as _refuse_generate
     from generation_dflash import spec_generate as _spec_generate
     from routing_dflash import assisted_generate as _assisted_generate
+    from tree_dflash import DraftTree
 
 # transformers 5.x names the cache `cache`, 4.x `past_key_values`
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
@@ -198,4 +200,4 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 DFlashConfig.register_for_auto_class("AutoConfig")
 DFlashDraftModel.register_for_auto_class("AutoModel")
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig"]
+__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "DraftTree"]

@@ -12,6 +12,7 @@ this module wraps three `GenerationMixin` methods once:
 import functools
 import inspect
 import threading
+import warnings
 
 import torch
 import transformers
@@ -156,6 +157,12 @@ def check_assisted_call(target, draft, call: dict) -> None:
     if requested_block_size(draft, call) < 2:
         raise ValueError(f"num_assistant_tokens must be at least 1 with a DFlash assistant, got {requested_block_size(draft, call) - 1}")
     check_schedule(setting("num_assistant_tokens_schedule"))
+    if setting("tree_budget") is not None:
+        raise ValueError(
+            "tree_budget is not supported by target.generate: transformers' assisted loop verifies candidates as one "
+            "sequence under the causal mask and crops the cache to a prefix, so it cannot verify a tree; use "
+            "draft.spec_generate(target=..., tree_budget=N)"
+        )
     if setting("cache_implementation") not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic cache")
     cache = call.get("past_key_values", call.get("cache"))
@@ -165,6 +172,9 @@ def check_assisted_call(target, draft, call: dict) -> None:
             "features of every prompt token; pass the whole prompt without a cache"
         )
     check_draft_fits_target(draft, target)
+    if getattr(draft.config, "tree_budget", None) is not None:
+        warnings.warn(f"the draft's config sets tree_budget={draft.config.tree_budget}, which only spec_generate "
+                      "honours; target.generate verifies the argmax chain", UserWarning, stacklevel=4)
 
 
 def routing_problem() -> str | None:

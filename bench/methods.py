@@ -136,8 +136,9 @@ def plain(ctx: Context, block_size: int | None) -> Run:
     return hf_generate(ctx)
 
 
-def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constant") -> Run:
-    """Our hand-written loop, `draft.spec_generate`; it reports acceptance lengths itself."""
+def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constant", tree_budget: int | None = None) -> Run:
+    """Our hand-written loop, `draft.spec_generate` (its config's defaults unless told); it reports acceptance
+    lengths itself. `tree_budget`: 0 for the argmax chain, N for a draft tree of N nodes."""
     require_draft(ctx)
     generator = torch.Generator()
 
@@ -147,7 +148,7 @@ def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constan
             out = ctx.draft.spec_generate(
                 target=ctx.target, input_ids=input_ids, max_new_tokens=max_new_tokens, stop_token_ids=ctx.stop_token_ids,
                 temperature=ctx.temperature, block_size=block_size, return_stats=True, generator=generator,
-                block_size_schedule=schedule,
+                block_size_schedule=schedule, tree_budget=tree_budget,
             )
         return Generation(out.output_ids[0, input_ids.shape[1] :].tolist(), out.acceptance_lengths, tracer.first_end)
 
@@ -196,6 +197,8 @@ TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "plain": plain,
     "spec-generate": spec_generate,
     "spec-generate-heuristic": functools.partial(spec_generate, schedule="heuristic"),
+    "spec-generate-chain": functools.partial(spec_generate, tree_budget=0),
+    "spec-generate-tree": spec_generate,  # one method per --tree-budget, named spec-generate-tree<N>
     "assisted": assisted,
     "assisted-sample": assisted_sample,
     "hf-dflash": hf_dflash,

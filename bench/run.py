@@ -2,6 +2,7 @@
 
 import argparse
 import datetime
+import functools
 import platform
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from bench.methods import BLOCK_FREE, TORCH_METHODS, Context
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINE = {"torch": "plain", "mlx": "mlx-plain"}
 NO_DRAFT = {"plain", "prompt-lookup", "mlx-plain"}
+TREE = "spec-generate-tree"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -28,6 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, help="draft block size (default: the draft's config)")
     p.add_argument("--sweep-block-size", help="comma-separated block sizes to compare, e.g. 2,4,8,16")
     p.add_argument("--methods", help="comma-separated methods (default: all for the backend; the baseline is always run)")
+    p.add_argument("--tree-budget", default="16", help="comma-separated draft-tree budgets for spec-generate-tree (default 16)")
     p.add_argument("--backend", choices=sorted(BASELINE), default="torch", help="torch, or mlx for the MLX port")
     p.add_argument("--out", type=Path, default=Path("results"), help="output folder for results.json and the plots")
     p.add_argument("--seed", type=int, default=0, help="seed reset before every generation")
@@ -36,17 +39,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def method_table(backend: str) -> dict:
+def method_table(backend: str, tree_budgets: list[int]) -> dict:
+    """Factories by method name; `spec-generate-tree` becomes one `spec-generate-tree<N>` per budget."""
     if backend == "mlx":
         from bench.mlx_methods import MLX_METHODS
 
         return MLX_METHODS
-    return TORCH_METHODS
+    table = {name: factory for name, factory in TORCH_METHODS.items() if name != TREE}
+    return table | {f"{TREE}{n}": functools.partial(TORCH_METHODS[TREE], tree_budget=n) for n in tree_budgets}
+
+
+def tree_budgets(args: argparse.Namespace) -> list[int]:
+    budgets = [int(b) for b in args.tree_budget.split(",")]
+    if any(b < 1 for b in budgets):
+        raise SystemExit(f"--tree-budget takes positive node counts, got {args.tree_budget}")
+    return budgets
 
 
 def selected_methods(args: argparse.Namespace, factories: dict) -> list[str]:
-    """The requested methods, baseline first; unknown names are an error."""
+    """The requested methods, baseline first; `spec-generate-tree` stands for every budget; unknown names are an error."""
     names = args.methods.split(",") if args.methods else list(factories)
+    names = [m for n in names for m in ([k for k in factories if k.startswith(TREE)] if n == TREE else [n])]
     unknown = sorted(set(names) - set(factories))
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {sorted(factories)}")
@@ -144,7 +157,7 @@ def write_outputs(out: Path, result: dict) -> None:
 
 def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
     """Loads models, measures every method on every dataset and returns the JSON-ready result."""
-    factories = method_table(args.backend)
+    factories = method_table(args.backend, tree_budgets(args))
     methods = selected_methods(args, factories)
     need_draft = any(m not in NO_DRAFT for m in methods)
     load = load_mlx_models if args.backend == "mlx" else load_torch_models

@@ -115,14 +115,32 @@ class OracleDraft(DFlashDraftModel):
         start = int(position_ids[0, -block])
         self.calls.append((context_hidden_states.shape[1], start))
         self.blocks.append(block)
-        tokens = [self.token_at(start + i, i) for i in range(block)]
-        logits = torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).float() * 50.0
+        logits = torch.stack([self.logits_at(start + i, i) for i in range(block)])
         out.last_hidden_state = (logits @ self.lm_head_pinv.T)[None].to(noise_embeds.dtype)
         return out
 
-    def token_at(self, position: int, offset: int) -> int:
-        right = self.reference[position] if position < len(self.reference) else 3
-        return right if offset <= self.k else (right + 1) % (VOCAB - 1)
+    def right_token(self, position: int) -> int:
+        return self.reference[position] if position < len(self.reference) else 3
+
+    def logits_at(self, position: int, offset: int) -> torch.Tensor:
+        right = self.right_token(position)
+        return torch.nn.functional.one_hot(torch.tensor(right if offset <= self.k else (right + 1) % (VOCAB - 1)), VOCAB).float() * 50.0
+
+
+class SecondChoiceDraft(OracleDraft):
+    """Sure and right for `k` tokens per block; at offset `k + 1` its first choice is wrong and its second right;
+    after that both are wrong. A chain accepts `k` drafted tokens per round; a best-first tree takes the whole
+    first-choice chain (B - 1 nodes), then that second choice, so a budget of B accepts `k + 1`."""
+
+    def logits_at(self, position: int, offset: int) -> torch.Tensor:
+        right, logits = self.right_token(position), torch.zeros(VOCAB)
+        if offset <= self.k:
+            logits[right] = 50.0
+            return logits
+        logits[right] = -1e4  # ranked last unless chosen, so no larger tree finds it by a tie
+        second = right if offset == self.k + 1 else (right + 2) % (VOCAB - 1)
+        logits[(right + 1) % (VOCAB - 1)], logits[second] = 50.0, 45.0
+        return logits
 
 
 def exact_joint_distribution(target, ids, processors, length: int) -> torch.Tensor:

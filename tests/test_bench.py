@@ -58,7 +58,8 @@ def bench_args(model_dirs, prompts_file, out, *extra) -> list[str]:
 @pytest.fixture(scope="module")
 def sweep_result(model_dirs, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    status = main(bench_args(model_dirs, prompts_file, out, "--sweep-block-size", "2,4", "--methods", "plain,spec-generate,prompt-lookup,hf-dflash,assisted"))
+    status = main(bench_args(model_dirs, prompts_file, out, "--sweep-block-size", "2,4", "--methods",
+                             "plain,spec-generate,spec-generate-tree,prompt-lookup,hf-dflash,assisted", "--tree-budget", "2,8"))
     return status, out, json.loads((out / "results.json").read_text())
 
 
@@ -67,6 +68,7 @@ def test_end_to_end_lossless(sweep_result):
     assert status == 0 and result["exit_status"] == 0
     rows = {(r["method"], r["block_size"]): r for r in result["summary"]}
     assert {("plain", None), ("spec-generate", 2), ("spec-generate", 4), ("prompt-lookup", 2)} <= set(rows)
+    assert {("spec-generate-tree2", 4), ("spec-generate-tree8", 4)} <= set(rows)  # one method per --tree-budget
     assert all(r["mismatches"] == 0 for r in result["summary"])
     assert rows["plain", None]["speedup"] == pytest.approx(1.0)
     assert rows["plain", None]["mean_acceptance_length"] == 1.0

@@ -300,6 +300,8 @@ def test_sampling_matches_target_distribution(proposal):
         ({"num_beams": 2}, r"beam search \(num_beams > 1\) is not supported"),
         ({"cache_implementation": "static"}, "cannot be cropped"),
         ({"num_assistant_tokens_schedule": "heuristic_transient"}, "schedule 'heuristic_transient' is not supported"),
+        ({"tree_budget": 8}, "cannot verify a tree; use draft.spec_generate"),
+        ({"generation_config": GenerationConfig(tree_budget=8, max_new_tokens=4)}, "cannot verify a tree"),
     ],
 )
 def test_unsupported_options_are_refused(kwargs, message):
@@ -309,6 +311,17 @@ def test_unsupported_options_are_refused(kwargs, message):
         run_generate(target, make_draft(), torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kwargs)
     assert not calls
     assert_target_untouched(target)
+
+
+def test_draft_config_tree_budget_warns_and_verifies_the_chain():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 12)
+    oracle = OracleDraft(make_draft_config()).eval().setup(target, expected, 3)
+    oracle.config.tree_budget = 8
+    with pytest.warns(UserWarning, match="only spec_generate honours"):
+        assert torch.equal(run_generate(target, oracle, ids, max_new_tokens=12), expected)
+    assert oracle.calls, "the draft ran"
 
 
 def test_batch_above_one_is_refused():

@@ -175,7 +175,7 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
     assert keys == published, f"extra {keys - published}, missing {published - keys}"
     assert not any(k.startswith(("eagle_", "speculators_config", "sample_from_anchor")) for k in config)
     assert config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
-    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py", "routing_dflash.py"):
+    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py", "routing_dflash.py", "tree_dflash.py"):
         assert (tmp_path / name).exists(), name
 
 

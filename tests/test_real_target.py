@@ -97,6 +97,23 @@ def test_spec_generate_equals_plain(models, prompts, block_size, schedule):
         assert calls.count == len(stats.acceptance_lengths) >= 1
 
 
+@pytest.mark.parametrize("block_size, budget", [(8, 4), (8, 16), (16, 32)])
+def test_spec_generate_with_a_tree_equals_plain(models, prompts, block_size, budget):
+    target, tokenizer, draft = models
+    verify_lengths = []
+    hook = target.register_forward_pre_hook(lambda m, a, kw: verify_lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        for name, ids in prompts.items():
+            expected = plain(target, tokenizer, ids)
+            verify_lengths.clear()
+            stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id],
+                                        block_size=block_size, tree_budget=budget, return_stats=True)
+            assert torch.equal(stats.output_ids, expected), f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1]:])!r}"
+            assert set(verify_lengths[1:]) == {budget + 1}, "every round verified a tree of the budget"
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_assisted_generate_equals_plain(models, prompts, name):
     target, tokenizer, draft = models

@@ -123,6 +123,13 @@ def initial_draft(args: argparse.Namespace, target):
     return draft.train()
 
 
+def sequence_settings(args: argparse.Namespace, regen_batch_size: int) -> tuple[dict, dict]:
+    """Tokenization and regeneration settings from the flags that training and export share."""
+    common = dict(max_prompt_tokens=args.max_prompt_tokens, max_length=args.max_length)
+    regen = dict(batch_size=regen_batch_size, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    return common, regen
+
+
 def held_out_sequences(target, tokenizer, eval_examples: dict[str, list[dict]], run_dir: Path, common: dict, regen: dict) -> dict:
     """Held-out prompts with the target's own greedy responses (cached in `run_dir/eval-<name>.jsonl`), tokenized."""
     sequences = {}
@@ -158,8 +165,7 @@ def main(argv=None) -> int:
     eval_names = [n for n in args.eval_data.split(",") if n]
     eval_examples = {n: load_examples(n, args.eval_examples) for n in eval_names}
     disjoint_sources(train_examples, [e for v in eval_examples.values() for e in v])
-    common = dict(max_prompt_tokens=args.max_prompt_tokens, max_length=args.max_length)
-    regen = dict(batch_size=args.regen_batch_size, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    common, regen = sequence_settings(args, args.regen_batch_size)
     regenerated = None
     if args.responses == "target":  # each process generates its share, then all read every share
         regenerate_responses(target, tokenizer, train_examples, run_dir / "responses.jsonl", **regen,

@@ -40,7 +40,7 @@ def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftM
 
 def held_out_score(args: argparse.Namespace) -> Callable[[DFlashDraftModel], float]:
     """Mean held-out teacher-forced tau of a draft at its configured block size, as training logs it."""
-    from .__main__ import held_out_sequences, load_target
+    from .__main__ import held_out_sequences, load_target, sequence_settings
     from .anchors import default_gamma, loss_weights
     from .data import load_examples
     from .trainer import evaluate
@@ -49,8 +49,7 @@ def held_out_score(args: argparse.Namespace) -> Callable[[DFlashDraftModel], flo
     def held_out():  # loaded on the first score, after the cheap checks
         target, tokenizer = load_target(args.target)
         names = [n for n in args.eval_data.split(",") if n]
-        common = dict(max_prompt_tokens=args.max_prompt_tokens, max_length=args.max_length)
-        regen = dict(batch_size=16, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+        common, regen = sequence_settings(args, regen_batch_size=16)
         examples = {n: load_examples(n, args.eval_examples) for n in names}
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return target, held_out_sequences(target, tokenizer, examples, args.run_dir, common, regen), pad_id

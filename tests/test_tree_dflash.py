@@ -1,0 +1,229 @@
+"""Draft trees (`tree_dflash.py`): the builder, the mask, cache compaction, and exact decoding through `spec_generate`."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper
+
+import generation_dflash
+from conftest import (
+    VOCAB,
+    SecondChoiceDraft,
+    chi_square_p_value,
+    exact_two_token_distribution,
+    greedy_reference,
+    make_draft,
+    make_draft_config,
+    make_target,
+)
+from generation_dflash import cache_kwarg
+from tree_dflash import DraftTree, build_tree, compact_cache
+
+
+def cached_pass(target, cache: DynamicCache, **kwargs) -> None:
+    with torch.no_grad():
+        target(use_cache=True, **{cache_kwarg(target): cache}, **kwargs)
+
+
+def path_tokens(tree: DraftTree, node: int) -> tuple[int, ...]:
+    tokens = []
+    while node:
+        tokens.append(tree.tokens[node - 1])
+        node = tree.parents[node - 1]
+    return tuple(reversed(tokens))
+
+
+def all_prefix_scores(log_probs: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """Every token path of every depth, with the sum of its log-probabilities (brute force)."""
+    depth, vocab = log_probs.shape
+    return {
+        path: sum(float(log_probs[d, t]) for d, t in enumerate(path))
+        for n in range(1, depth + 1) for path in itertools.product(range(vocab), repeat=n)
+    }
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7, 20])
+def test_builder_takes_the_best_paths_best_first(budget):
+    log_probs = torch.log_softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(budget)) * 2, dim=-1)
+    tree = build_tree(log_probs, budget)
+    scores = all_prefix_scores(log_probs)
+    best = sorted(scores, key=scores.get, reverse=True)[:budget]
+    paths = [path_tokens(tree, node) for node in range(1, len(tree.tokens) + 1)]
+    assert len(paths) == budget and set(paths) == set(best)
+    taken = [scores[p] for p in paths]
+    assert taken == sorted(taken, reverse=True), "nodes must come in score order"
+    assert all(parent < node for node, parent in enumerate(tree.parents, 1)), "parents precede children"
+    assert tree.depths == [len(p) for p in paths] and max(tree.depths) <= 3
+
+
+def test_builder_respects_depth_and_never_proposes_impossible_tokens():
+    log_probs = torch.full((2, 6), float("-inf"))
+    log_probs[:, :2] = math.log(0.5)
+    tree = build_tree(log_probs, 100)
+    assert len(tree.tokens) == 2 + 4 and set(tree.tokens) == {0, 1} and max(tree.depths) == 2
+
+
+def test_mask_and_positions_of_a_hand_built_tree():
+    #      root
+    #     /    \
+    #    1(a)   2(b)
+    #    |       \
+    #    3(c)     4(d)
+    #    |
+    #    5(e)
+    tree = DraftTree(tokens=[10, 11, 12, 13, 14], parents=[0, 0, 1, 2, 3], depths=[1, 1, 2, 2, 3])
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 0, 1, 0, 1, 0],
+        [1, 1, 0, 1, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(tree.ancestors(), expected)
+    mask = tree.attention_mask(cache_len=3, dtype=torch.float32, device="cpu")
+    assert mask.shape == (1, 1, 6, 9)
+    assert torch.equal(mask[0, 0] == 0, torch.cat([torch.ones(6, 3, dtype=torch.bool), expected], dim=1))
+    assert tree.position_ids(7, "cpu").tolist() == [[7, 8, 8, 9, 9, 10]]
+    # the target chose b at the root, d at b, and something absent at d
+    assert tree.accept([11, 99, 13, 99, 7, 99]) == [0, 2, 4]
+    assert tree.accept([42, 0, 0, 0, 0, 0]) == [0]
+    assert not tree.is_chain() and DraftTree.chain([4, 5, 6]).is_chain()
+
+
+def test_compacted_cache_equals_the_cache_of_the_committed_tokens():
+    """Verify a tree, keep a path that is not a prefix of the node order, and compare with a plain pass."""
+    target = make_target("qwen3")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    tree = DraftTree(tokens=[10, 11, 12, 13, 14], parents=[0, 0, 1, 2, 3], depths=[1, 1, 2, 2, 3])
+    cache, reference = DynamicCache(), DynamicCache()
+    cached_pass(target, cache, input_ids=prompt[:, :-1])
+    cached_pass(target, cache, input_ids=torch.tensor([[8, *tree.tokens]]), position_ids=tree.position_ids(3, "cpu"),
+                attention_mask=tree.attention_mask(3, torch.float32, "cpu"))
+    compact_cache(cache, 3, [0, 2, 4])  # root, b, d
+    cached_pass(target, reference, input_ids=torch.tensor([[5, 6, 7, 8, 11, 13]]))
+    assert cache.get_seq_length() == reference.get_seq_length() == 6
+    for ours, plain in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(ours.keys, plain.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, plain.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def recorded_paths(monkeypatch):
+    """Every accepted path `spec_generate` compacts the cache to, with a copy of the cache right after."""
+    paths, caches = [], []
+
+    def recording(cache, first, path):
+        compact_cache(cache, first, path)
+        paths.append(path)
+        caches.append([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+
+    monkeypatch.setattr(generation_dflash, "compact_cache", recording)
+    return paths, caches
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("budget", [1, 4, 16, 32])
+def test_tree_greedy_equals_target_greedy(arch, block_size, budget):
+    target, draft = make_target(arch), make_draft()
+    for prompt_len in (1, 9):
+        ids = torch.randint(3, VOCAB - 1, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+        max_new = 2 * block_size + 3
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size, tree_budget=budget)
+        assert torch.equal(out, greedy_reference(target, ids, max_new)), f"{arch} B={block_size} budget={budget}"
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("budget", [1, 4, 16, 32])
+def test_tree_accepts_the_second_choice_where_the_chain_cannot(block_size, budget, recorded_paths):
+    """Right for k tokens, then right only in second place: the chain accepts k drafted tokens, a tree with room
+    for that second choice (its B-th best node) k + 1. Output stays exact and the cache matches plain decoding."""
+    target = make_target("qwen3")
+    ids = torch.randint(3, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(0))
+    max_new = 3 * block_size
+    reference = greedy_reference(target, ids, max_new + block_size)
+    paths, caches = recorded_paths
+    for k in range(block_size - 1):
+        paths.clear(), caches.clear()
+        draft = SecondChoiceDraft(make_draft_config()).eval().setup(target, reference, k)
+        chain = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size, return_stats=True)
+        tree = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size,
+                                   tree_budget=budget, return_stats=True)
+        assert torch.equal(chain.output_ids, reference[:, : 6 + max_new]) and torch.equal(tree.output_ids, chain.output_ids)
+        assert set(chain.acceptance_lengths[:-1]) == {k + 1}, f"k={k}"
+        expected = k + 2 if budget >= block_size else min(k, budget) + 1
+        assert set(tree.acceptance_lengths[:-1]) == {expected}, f"k={k} budget={budget}"
+        tree_paths = paths[len(chain.acceptance_lengths):]
+        assert any(p != list(range(len(p))) for p in tree_paths) == (budget >= block_size), "the second choice was taken"
+        last_cache = caches[-1]
+        # the cache holds every committed token but the last round's bonus
+        assert last_cache[0][0].shape[-2] == 6 + sum(tree.acceptance_lengths)
+        plain = DynamicCache()
+        cached_pass(target, plain, input_ids=reference[:, : 6 + sum(tree.acceptance_lengths)])
+        for (keys, values), layer in zip(last_cache, plain.layers):
+            torch.testing.assert_close(keys, layer.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(values, layer.values, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_sampling_matches_target_distribution(recorded_paths):
+    """Chi-square test of the first two sampled tokens through a tree against the exact target distribution.
+
+    The second token is decided at depth 1 of the tree, where the draft ranks a wrong token first and the greedy
+    token second, so the walk often takes the second branch; the test checks it did, and fails at p < 1e-4.
+    """
+    target = make_target("llama", initializer_range=0.5)
+    ids, temperature, n = torch.tensor([[5, 6, 7]]), 1.0, 2000
+    exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
+    draft = SecondChoiceDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 0)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(VOCAB * VOCAB)
+    paths, _ = recorded_paths
+    for _ in range(n):
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=temperature,
+                                  block_size=4, tree_budget=8, generator=g)
+        t1, t2 = out[0, 3:].tolist()
+        counts[t1 * VOCAB + t2] += 1
+    assert len(paths) == n, "one tree round per call"
+    assert sum(len(p) > 1 and p[1] != 1 for p in paths) > n // 10, "the walk must often take the second branch"
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_draft_config_sets_the_default_budget_and_zero_asks_for_the_chain():
+    target, draft = make_target("llama"), make_draft()  # block size 8: a chain verifies 8 tokens, this tree 7
+    ids = torch.tensor([[5, 6, 7]])
+    expected, lengths = greedy_reference(target, ids, 12), []
+    target.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    draft.config.tree_budget = 6
+    assert draft.config.dflash_config["tree_budget"] == 6
+    for budget, verified in ((None, 7), (0, 8), (3, 4)):
+        lengths.clear()
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, tree_budget=budget)
+        assert torch.equal(out, expected) and set(lengths[1:]) == {verified}, (budget, lengths)
+    draft.config.tree_budget = None
+    assert "tree_budget" not in draft.config.dflash_config
+
+
+@pytest.mark.parametrize(
+    "target_kwargs, kwargs, message",
+    [
+        ({}, {"tree_budget": -1}, "tree_budget must be at least 1"),
+        ({}, {"tree_budget": 4, "block_size_schedule": "heuristic"}, "adapts a chain"),
+        ({"attn": "flash_attention_2"}, {"tree_budget": 4}, "takes a custom 4D mask"),
+        ({"arch": "mistral", "sliding_window": 16}, {"tree_budget": 4}, "sliding-window mask"),
+    ],
+)
+def test_unsupported_tree_requests_fail_before_compute(target_kwargs, kwargs, message):
+    target_kwargs = dict(target_kwargs)
+    attn = target_kwargs.pop("attn", None)
+    target = make_target(target_kwargs.pop("arch", "llama"), **target_kwargs)
+    if attn:
+        target.config._attn_implementation_internal = attn  # only read, never run: the call must fail first
+    calls = []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=32, **kwargs)
+    assert not calls, "the target ran before the error"

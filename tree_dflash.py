@@ -1,0 +1,127 @@
+"""Draft trees from one DFlash pass (DDTree, Ringel et al. 2026), verified in one target pass.
+
+A DFlash draft gives a distribution at every block position at once. Instead of verifying its argmax chain, build a
+tree best-first on the product of the draft's probabilities along each path, verify all of it in one target pass
+with an ancestor-only mask, and walk from the root along the children that hold the target's choices. A chain is the
+tree whose every node has one child, so both decoding modes share this code.
+"""
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+ATTENTION_FOR_TREES = ("eager", "sdpa")  # the implementations that take an arbitrary 4D mask
+
+
+@dataclass
+class DraftTree:
+    """Drafted tokens below the root (the last committed token), parents before children.
+
+    Node 0 is the root; node `i >= 1` holds `tokens[i - 1]` at depth `depths[i - 1]` below node `parents[i - 1]`.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        return cls(list(tokens), list(range(len(tokens))), list(range(1, len(tokens) + 1)))
+
+    def is_chain(self) -> bool:
+        return self.parents == list(range(len(self.tokens)))
+
+    def accept(self, chosen: list[int]) -> list[int]:
+        """The accepted path (node indices, from the root): at each node, the child holding the target's choice
+        there (`chosen[node]`), until there is none. The target's choice at the last node is the bonus token."""
+        children = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens), 1)}
+        path = [0]
+        while (child := children.get((path[-1], chosen[path[-1]]))) is not None:
+            path.append(child)
+        return path
+
+    def ancestors(self) -> torch.Tensor:
+        """`[n + 1, n + 1]` bool: node `i` may attend to node `j` iff `j` is `i` or one of its ancestors."""
+        seen = torch.eye(len(self.tokens) + 1, dtype=torch.bool)
+        for node, parent in enumerate(self.parents, 1):
+            seen[node] |= seen[parent]
+        return seen
+
+    def attention_mask(self, cache_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive `[1, 1, n + 1, cache_len + n + 1]` mask over `[cache ; tree]`: all of the cache, ancestors only."""
+        visible = torch.cat([torch.ones(len(self.tokens) + 1, cache_len, dtype=torch.bool), self.ancestors()], dim=1)
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[None, None].to(device)
+
+    def position_ids(self, start: int, device) -> torch.Tensor:
+        """`[1, n + 1]`: the root at `start`, every node at `start + depth`."""
+        return torch.tensor([[start] + [start + d for d in self.depths]], device=device)
+
+
+def build_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
+    """The `budget` highest-scoring paths' nodes, best first. `log_probs`: `[depth, vocab]`, the draft's
+    log-probabilities at block positions 1..depth. A node's score is the sum of its path's log-probabilities, so a
+    child never outscores its parent nor a sibling its better-ranked sibling: popping a heap that holds, for each
+    node taken, its next sibling and its first child yields the nodes in exact score order (parents first)."""
+    width = min(budget, log_probs.shape[-1])
+    values, indices = (t.tolist() for t in log_probs.float().topk(width, dim=-1))
+    tree = DraftTree([], [], [])
+    heap = [(-values[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank among siblings, parent node, parent score)
+    while heap and len(tree.tokens) < budget:
+        negative, depth, rank, parent, parent_score = heapq.heappop(heap)
+        tree.tokens.append(indices[depth - 1][rank])
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        node, score = len(tree.tokens), -negative
+        candidates = [(depth, rank + 1, parent, parent_score)] if rank + 1 < width else []
+        candidates += [(depth + 1, 0, node, score)] if depth < len(values) else []
+        for d, r, p, base in candidates:
+            if values[d - 1][r] != float("-inf"):  # a token outside the draft's vocabulary is never proposed
+                heapq.heappush(heap, (-(base + values[d - 1][r]), d, r, p, base))
+    return tree
+
+
+def propose(logits: torch.Tensor, budget: int | None, temperature: float) -> DraftTree:
+    """The round's draft: the argmax chain when `budget` is None, else a best-first tree of `budget` nodes scored
+    with the draft's distribution at the sampling temperature. `logits`: `[1, depth, vocab]`."""
+    if budget is None:
+        return DraftTree.chain(logits[0].argmax(dim=-1).tolist())
+    scaled = logits[0].float() / temperature if temperature > 0 else logits[0].float()
+    return build_tree(torch.log_softmax(scaled, dim=-1), budget)
+
+
+def compact_cache(cache: DynamicCache, first: int, path: list[int]) -> None:
+    """Keeps, after the first `first` cached tokens, only the tree nodes on `path`, moved to consecutive slots."""
+    total = cache.get_seq_length()
+    if path != list(range(len(path))):  # a chain prefix needs no gather
+        keep = torch.tensor(path) + first
+        for layer in cache.layers:
+            keep = keep.to(layer.keys.device)
+            layer.keys[..., first : first + len(path), :] = layer.keys[..., keep, :]
+            layer.values[..., first : first + len(path), :] = layer.values[..., keep, :]
+    if total > first + len(path):
+        cache.crop(first + len(path) - total)
+
+
+def check_tree_supported(target, tree_budget: int, final_length: int) -> None:
+    """Refuses, before any compute, targets whose verify pass cannot take a tree mask or whose cache cannot be
+    compacted to the accepted path."""
+    if tree_budget < 1:
+        raise ValueError(f"tree_budget must be at least 1 drafted node (or 0 for the chain), got {tree_budget}")
+    config = target.config.get_text_config()
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention not in ATTENTION_FOR_TREES:
+        raise ValueError(
+            f"tree verification needs an attention implementation that takes a custom 4D mask ({', '.join(ATTENTION_FOR_TREES)}); "
+            f"the target uses {attention!r}. Load it with attn_implementation='sdpa' or use the chain (tree_budget=None)."
+        )
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(config, "use_sliding_window", True)
+    if window is not None and sliding and final_length > window:
+        raise ValueError(
+            f"tree verification replaces the target's sliding-window mask ({window} tokens) with a tree mask, which is "
+            f"exact only while the sequence fits the window; this call may reach {final_length} tokens. "
+            "Use the chain (tree_budget=None) or fewer tokens."
+        )
