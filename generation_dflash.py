@@ -19,10 +19,10 @@ from transformers.generation.streamers import BaseStreamer
 
 try:
     from .configuration_dflash import check_fits_target
-    from .tree_dflash import check_tree_supported, compact_cache, propose
+    from .tree_dflash import DraftTree, check_tree_supported, compact_cache, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from configuration_dflash import check_fits_target
-    from tree_dflash import check_tree_supported, compact_cache, propose
+    from tree_dflash import DraftTree, check_tree_supported, compact_cache, propose
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -111,9 +111,39 @@ def refuse_generate(self, *args, **kwargs):
 # Pure helpers shared by both decoding routes.
 
 
-def extract_context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """Concatenates the outputs of `layer_ids`; `hidden_states[0]` is the embedding output, hence the `+ 1`."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+class LayerFeatures:
+    """Forward hooks that keep the outputs of the target layers the draft reads, and nothing else: no pass asks the
+    target for all of its hidden states (about 30x more memory on a long prompt). A context manager; `close()`
+    removes the hooks."""
+
+    def __init__(self, target, layer_ids: list[int]):
+        layers = decoder_layers(target)
+        self.layer_ids, self.outputs = list(layer_ids), {}
+        self.hooks = [layers[i].register_forward_hook(self._keep(i)) for i in self.layer_ids]
+
+    def _keep(self, layer_id: int):
+        # a layer's output is what `hidden_states[layer_id + 1]` holds
+        def hook(module, args, output):
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def pop(self, index=slice(None)) -> torch.Tensor:
+        """The last pass's features at sequence `index`, concatenated `[b, n, len(layer_ids) * H]`; then forgets them."""
+        context = torch.cat([self.outputs[i][:, index] for i in self.layer_ids], dim=-1)
+        self.outputs = {}
+        return context
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.outputs = [], {}
+
+    def __enter__(self) -> "LayerFeatures":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def draft_head(draft, lm_head) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -160,14 +190,25 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return torch.multinomial(probs, 1, generator=generator).T
 
 
-def first_stop(tokens: list[int], stop_token_ids: set[int]) -> int | None:
-    """Index just after the first stop token in `tokens`, or None."""
-    return next((i + 1 for i, t in enumerate(tokens) if t in stop_token_ids), None)
+def first_stop(tokens: list[int], stop_token_ids: set[int], start: int = 0) -> int | None:
+    """Index just after the first stop token in `tokens[start:]`, or None."""
+    return next((i + 1 for i in range(start, len(tokens)) if tokens[i] in stop_token_ids), None)
 
 
-def output_length(tokens: list[int], stop_token_ids: set[int], max_new_tokens: int) -> int:
-    """How many of `tokens` belong in the output: up to the first stop token, at most `max_new_tokens`."""
-    return min(first_stop(tokens, stop_token_ids) or len(tokens), max_new_tokens)
+class OutputEnd:
+    """Where the output ends (after the first stop token, at most `max_new_tokens`), looking at each token once."""
+
+    def __init__(self, stop_token_ids: set[int], max_new_tokens: int):
+        self.stops, self.max_new_tokens, self.checked, self.stop = stop_token_ids, max_new_tokens, 0, None
+
+    def update(self, tokens: list[int]) -> int:
+        """The output length so far; `tokens` only grows between calls."""
+        if self.stop is None:
+            self.stop, self.checked = first_stop(tokens, self.stops, self.checked), len(tokens)
+        return min(self.stop or len(tokens), self.max_new_tokens)
+
+    def done(self, tokens: list[int]) -> bool:
+        return self.update(tokens) >= self.max_new_tokens or self.stop is not None
 
 
 def stream_tokens(streamer: BaseStreamer | None, tokens: list[int], streamed: int, end: int) -> int:
@@ -235,45 +276,51 @@ def spec_generate(
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
     check_tree_request(target, tree_budget, block_size_schedule, input_ids.shape[1] + max_new_tokens + block_size)
-    stops = set(stop_token_ids or [])
+    ending = OutputEnd(set(stop_token_ids or []), max_new_tokens)
     embed, head = target.get_input_embeddings(), draft_head(self, target.get_output_embeddings())
-    layer_ids, cache_name = self.config.target_layer_ids, cache_kwarg(target)
+    cache_name = cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     input_ids = input_ids.to(target.device)
     prompt_len = input_ids.shape[1]
-
-    # prefill: the target reads the prompt and picks the first new token
-    out = target(input_ids=input_ids, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_name: target_cache})
-    new_tokens = pick_tokens(out.logits[:, -1:], temperature, generator)[0].tolist()
-    context = extract_context_features(out.hidden_states, layer_ids)
-    acceptance_lengths: list[int] = []
-    start = prompt_len  # position of the last committed token, which is not yet in the target's cache
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
-    streamed = stream_tokens(streamer, new_tokens, 0, output_length(new_tokens, stops, max_new_tokens))
 
-    block = block_size
-    while len(new_tokens) < max_new_tokens and first_stop(new_tokens, stops) is None:
-        last = torch.tensor([[new_tokens[-1]]], device=input_ids.device)
-        tree = propose(draft_logits(self, embed, head, last, context, start, draft_cache, block), tree_budget, temperature)
-        # verify: the target scores `[last ; drafted nodes]` in one pass; a chain needs only the causal mask
-        mask = None if tree.is_chain() else tree.attention_mask(start, target.dtype, input_ids.device)
-        verify_ids = torch.tensor([[new_tokens[-1], *tree.tokens]], device=input_ids.device)
-        out = target(input_ids=verify_ids, position_ids=tree.position_ids(start, input_ids.device), attention_mask=mask,
-                     use_cache=True, output_hidden_states=True, **{cache_name: target_cache})
-        chosen = pick_tokens(out.logits, temperature, generator)[0].tolist()
-        path = tree.accept(chosen)
-        new_tokens += [tree.tokens[node - 1] for node in path[1:]] + [chosen[path[-1]]]
-        acceptance_lengths.append(len(path))
-        # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
-        compact_cache(target_cache, start, path)
-        context = extract_context_features(out.hidden_states, layer_ids)[:, path]
-        start += len(path)
-        if block_size_schedule == "heuristic":
-            block = next_block_size(block, len(path) - 1, block_size)
-        streamed = stream_tokens(streamer, new_tokens, streamed, output_length(new_tokens, stops, max_new_tokens))
+    with LayerFeatures(target, self.config.target_layer_ids) as features:
+        # prefill: the target reads the prompt and picks the first new token
+        out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_name: target_cache})
+        last = pick_tokens(out.logits[:, -1:], temperature, generator)
+        new_tokens, context, out = last[0].tolist(), features.pop(), None
+        acceptance_lengths: list[int] = []
+        start = prompt_len  # position of the last committed token, which is not yet in the target's cache
+        streamed = stream_tokens(streamer, new_tokens, 0, ending.update(new_tokens))
 
-    end = output_length(new_tokens, stops, max_new_tokens)
+        block = block_size
+        while not ending.done(new_tokens):
+            logits = draft_logits(self, embed, head, last, context, start, draft_cache, block)
+            if tree_budget is None:  # the chain: drafted and chosen tokens come to the host together, once
+                verify_ids = torch.cat([last, logits.argmax(dim=-1)], dim=1)
+                positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
+            else:  # a tree's shape is decided on the host from the draft's top choices
+                tree = propose(logits, tree_budget, temperature)
+                verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
+                positions, mask = tree.position_ids(start, input_ids.device), tree.attention_mask(start, target.dtype, input_ids.device)
+            out = target(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
+            chosen = pick_tokens(out.logits, temperature, generator)
+            tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
+            drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]
+            tree = DraftTree.chain(drafted) if tree_budget is None else tree
+            path = tree.accept(chosen_ids)
+            new_tokens += [tree.tokens[node - 1] for node in path[1:]] + [chosen_ids[path[-1]]]
+            acceptance_lengths.append(len(path))
+            # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
+            compact_cache(target_cache, start, path)
+            context, last = features.pop(path), chosen[:, path[-1] : path[-1] + 1]
+            start += len(path)
+            if block_size_schedule == "heuristic":
+                block = next_block_size(block, len(path) - 1, block_size)
+            streamed = stream_tokens(streamer, new_tokens, streamed, ending.update(new_tokens))
+
+    end = ending.update(new_tokens)
     if streamer is not None:
         streamer.end()
     output_ids = torch.cat([input_ids, torch.tensor([new_tokens[:end]], device=input_ids.device)], dim=1)
@@ -312,22 +359,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
-        self.cache, self.context_len, self.features, self.proposed = DynamicCache(), 0, {}, False
+        self.cache, self.context_len, self.proposed = DynamicCache(), 0, False
         self.head = draft_head(draft, target.get_output_embeddings())
-        layers = decoder_layers(target)
-        self.hooks = [layers[i].register_forward_hook(self._capture(i)) for i in draft.config.target_layer_ids]
-
-    def _capture(self, layer_id: int):
-        # a layer's output is what `hidden_states[layer_id + 1]` holds, so no offset is needed here
-        def hook(module, args, output):
-            self.features[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
+        self.features = LayerFeatures(target, draft.config.target_layer_ids)
 
     def close(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
+        self.features.close()
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
@@ -335,12 +372,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         committed = input_ids.shape[1] - 1
         max_new = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
         self.proposed = False
-        if not self.features or max_new <= 0:  # the first call comes before the target's prefill
+        if not self.features.outputs or max_new <= 0:  # the first call comes before the target's prefill
             return input_ids, None
         self.proposed = True
-        ids = self.draft.config.target_layer_ids
         new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
-        context = torch.cat([self.features[i][:, :new] for i in ids], dim=-1)
+        context = self.features.pop(slice(0, new))
         embed = self.target.get_input_embeddings()
         logits = draft_logits(self.draft, embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
         logits = logits[:, :max_new].float()

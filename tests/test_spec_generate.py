@@ -221,3 +221,41 @@ def test_draft_vocab_outside_the_target_vocab_is_refused():
     draft.config.draft_vocab = [1, VOCAB]
     with pytest.raises(ValueError, match=r"draft_vocab must hold token ids in \[0, 64\)"):
         check_draft_fits_target(draft, target)
+
+
+def test_target_is_never_asked_for_all_hidden_states():
+    """The draft reads a few target layers; prefill and verify keep only those (forward hooks), on 4.57 and 5.x."""
+    target, draft = make_target("llama"), make_draft()
+    seen = []
+    target.register_forward_hook(lambda m, args, kwargs, out: seen.append((kwargs.get("output_hidden_states"), out.hidden_states)),
+                                 with_kwargs=True)
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 12)
+    seen.clear()
+    out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, block_size=4)
+    assert torch.equal(out, expected)
+    assert len(seen) >= 2 and all(not flag and states is None for flag, states in seen), seen
+
+
+def test_one_device_to_host_transfer_per_chain_round(monkeypatch):
+    target, draft = make_target("llama"), make_draft()
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 20)
+    transfers = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (transfers.append(_n), _o(self, *a, **k))[1])
+    stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, return_stats=True)
+    monkeypatch.undo()
+    assert torch.equal(stats.output_ids, expected)
+    assert transfers == ["tolist"] * (1 + len(stats.acceptance_lengths)), transfers  # the prefill's, then one per round
+
+
+def test_output_end_looks_at_each_token_once():
+    from generation_dflash import OutputEnd
+
+    ending, tokens = OutputEnd({5}, max_new_tokens=10), [1, 2]
+    assert ending.update(tokens) == 2 and not ending.done(tokens) and ending.checked == 2
+    tokens += [3, 5, 6]
+    assert ending.update(tokens) == 4 and ending.done(tokens)
+    assert OutputEnd(set(), 3).update([1, 2, 3, 4]) == 3

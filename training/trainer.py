@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from configuration_dflash import DFlashConfig
-from generation_dflash import check_draft_fits_target, decoder_layers, extract_context_features
+from generation_dflash import LayerFeatures, check_draft_fits_target, decoder_layers
 from modeling_dflash import DFlashDraftModel
 
 from .anchors import additive_mask, anchor_attention_mask, block_inputs, default_gamma, loss_weights, sample_anchors
@@ -174,8 +174,9 @@ def target_pass(target, input_ids: torch.Tensor, lengths: torch.Tensor, layer_id
     """Context features `[b, L, len(ids) * H]` and the final normed hidden states `[b, L, H]` of the frozen target."""
     attention_mask = (torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]).long()
     base = getattr(target, target.base_model_prefix)
-    out = base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    return extract_context_features(out.hidden_states, layer_ids), out.last_hidden_state
+    with LayerFeatures(target, layer_ids) as features:
+        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return features.pop(), out.last_hidden_state
 
 
 @torch.no_grad()
