@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from bench.methods import Context, Generation, Run, Unavailable
+from bench.methods import Context, Generation, Run, Unavailable, synchronize
 
 WARMUP_TOKENS = 16
 
@@ -59,17 +59,19 @@ def truncate(tokens: list[int], stop_token_ids: list[int], max_new_tokens: int) 
     return tokens[: min(end, max_new_tokens)]
 
 
-def encode(tokenizer, messages: list[dict]) -> torch.Tensor:
+def encode(tokenizer, messages: list[dict], device="cpu") -> torch.Tensor:
     """`[1, L]` ids of a conversation under the target's chat template, ready for the assistant's turn."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device=device)
 
 
 def timed(run: Run, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[Generation, float, float]:
-    """(generation, seconds, peak RSS MiB) of one call."""
+    """(generation, seconds, peak RSS MiB) of one call, with the device's queued work inside the timer."""
     reset_peak_rss()
+    synchronize(input_ids.device)
     start = time.perf_counter()
     generation = run(input_ids, max_new_tokens)
+    synchronize(input_ids.device)
     seconds = time.perf_counter() - start
     if generation.first_token_time is not None:
         generation.first_token_time -= start
@@ -104,7 +106,7 @@ def run_conversation(ctx: Context, variant: Variant, prompt: dict, max_new_token
     messages, results = [], []
     for turn, text in enumerate(prompt["turns"]):
         messages.append({"role": "user", "content": text})
-        record, tokens = measure_turn(ctx, variant, encode(ctx.tokenizer, messages), max_new_tokens)
+        record, tokens = measure_turn(ctx, variant, encode(ctx.tokenizer, messages, ctx.device), max_new_tokens)
         record.update(prompt_id=prompt["id"], turn=turn)
         results.append((record, tokens))
         messages.append({"role": "assistant", "content": ctx.tokenizer.decode(tokens, skip_special_tokens=True)})
@@ -118,7 +120,7 @@ def run_conversation(ctx: Context, variant: Variant, prompt: dict, max_new_token
 def warm_up(ctx: Context, variants: list[Variant], prompt: dict, baseline: str) -> tuple[list[Variant], list[dict]]:
     """Runs each variant once on a short generation; optional methods that fail are skipped with the reason."""
     ready, skipped = [], []
-    ids = encode(ctx.tokenizer, [{"role": "user", "content": prompt["turns"][0]}])
+    ids = encode(ctx.tokenizer, [{"role": "user", "content": prompt["turns"][0]}], ctx.device)
     for variant in tqdm(variants, desc="warm-up", leave=False):
         try:
             variant.run(ids, WARMUP_TOKENS)

@@ -7,7 +7,6 @@ reason, which the harness prints and records. Acceptance lengths of methods that
 
 import contextlib
 import functools
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,16 @@ class Context:
     temperature: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
+    device: str = "cpu"
+
+
+def synchronize(device) -> None:
+    """Waits for queued accelerator work, so a timer read afterwards counts it; a no-op on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 Run = Callable[[object, int], Generation]
@@ -69,7 +78,9 @@ class TargetTracer:
         self.starts.append(cache.get_seq_length() if cache is not None else 0)
 
     def _after(self, module, args, output):
-        self.first_end = self.first_end or time.perf_counter()
+        if self.first_end is None:
+            synchronize(module.device)
+            self.first_end = time.perf_counter()
 
     def acceptance_lengths(self, final_length: int) -> list[int]:
         """Tokens committed by each call after the prefill; `final_length` counts prompt plus new tokens."""
@@ -140,7 +151,7 @@ def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constan
     """Our hand-written loop, `draft.spec_generate` (its config's defaults unless told); it reports acceptance
     lengths itself. `tree_budget`: 0 for the argmax chain, N for a draft tree of N nodes."""
     require_draft(ctx)
-    generator = torch.Generator()
+    generator = torch.Generator(device=ctx.device)  # sampling on an accelerator needs a generator there
 
     def run(input_ids: torch.Tensor, max_new_tokens: int) -> Generation:
         generator.manual_seed(ctx.seed)
@@ -158,9 +169,6 @@ def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constan
 def assisted(ctx: Context, block_size: int | None) -> Run:
     """`target.generate(assistant_model=draft)` through our `DFlashCandidateGenerator`, where it has landed."""
     require_draft(ctx)
-    module = inspect.getmodule(type(ctx.draft).spec_generate)
-    if not hasattr(module, "DFlashCandidateGenerator"):
-        raise Unavailable(f"{module.__name__} has no DFlashCandidateGenerator yet")
     return with_block_size(ctx, block_size, hf_generate(ctx, assistant_model=ctx.draft))
 
 

@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results"), help="output folder for results.json and the plots")
     p.add_argument("--seed", type=int, default=0, help="seed reset before every generation")
     p.add_argument("--dtype", default="float32", help="torch dtype of target and draft")
+    p.add_argument("--device", default="cpu", help="torch device of target and draft, e.g. cuda (torch backend)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     return p.parse_args(argv)
 
@@ -77,6 +78,7 @@ def load_torch_models(args: argparse.Namespace, need_draft: bool) -> tuple:
         from default_target import load_default_target
 
         target, tokenizer = load_default_target(args.dtype)
+    target = target.to(args.device)
     if not need_draft:
         return target, tokenizer, None
     from modeling_dflash import DFlashDraftModel
@@ -86,7 +88,7 @@ def load_torch_models(args: argparse.Namespace, need_draft: bool) -> tuple:
         draft = DFlashDraftModel.from_pretrained(draft_path, dtype=args.dtype).eval()
     except OSError as error:
         raise SystemExit(f"cannot load a DFlash draft from {draft_path}: {error}") from error
-    return target, tokenizer, draft
+    return target, tokenizer, draft.to(args.device)
 
 
 def load_mlx_models(args: argparse.Namespace, need_draft: bool) -> tuple:
@@ -162,7 +164,8 @@ def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
     need_draft = any(m not in NO_DRAFT for m in methods)
     load = load_mlx_models if args.backend == "mlx" else load_torch_models
     target, tokenizer, draft = load(args, need_draft)
-    ctx = Context(target, tokenizer, draft, args.temperature, stop_token_ids(target, tokenizer), args.seed)
+    device = args.device if args.backend == "torch" else "cpu"  # MLX methods take host ids
+    ctx = Context(target, tokenizer, draft, args.temperature, stop_token_ids(target, tokenizer), args.seed, device)
     sizes, baseline = block_sizes(args, draft), BASELINE[args.backend]
     variants, skipped = build_variants(ctx, factories, methods, sizes, BLOCK_FREE)
     prompts = {name: load_prompts(name, args.max_samples or None) for name in args.dataset.split(",")}
