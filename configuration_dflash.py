@@ -13,6 +13,12 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(1 + j * span) for j in range(num_draft_layers)]
 
 
+def first_stop(tokens: list[int], stop_token_ids, start: int = 0) -> int | None:
+    """Index just after the first stop token in `tokens[start:]`, or None. Shared by the torch and MLX loops, the
+    benchmark and training data, which all cut an output after its first stop token."""
+    return next((i + 1 for i in range(start, len(tokens)) if tokens[i] in stop_token_ids), None)
+
+
 def check_fits_target(config, *, num_layers: int, hidden_size: int, vocab_size: int) -> None:
     """Raises a ValueError naming the first mismatch between a draft config (torch or MLX) and the target's shapes."""
     if config.hidden_size != hidden_size:
@@ -122,4 +128,4 @@ class DFlashConfig(Qwen3Config):
         return out
 
 
-__all__ = ["DFlashConfig", "build_target_layer_ids", "check_fits_target"]
+__all__ = ["DFlashConfig", "build_target_layer_ids", "check_fits_target", "first_stop"]

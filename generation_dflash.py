@@ -18,10 +18,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
 try:
-    from .configuration_dflash import check_fits_target
+    from .configuration_dflash import check_fits_target, first_stop
     from .tree_dflash import DraftTree, check_tree_supported, compact_cache, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from configuration_dflash import check_fits_target
+    from configuration_dflash import check_fits_target, first_stop
     from tree_dflash import DraftTree, check_tree_supported, compact_cache, propose
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -188,11 +188,6 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits[0].float() / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).T
-
-
-def first_stop(tokens: list[int], stop_token_ids: set[int], start: int = 0) -> int | None:
-    """Index just after the first stop token in `tokens[start:]`, or None."""
-    return next((i + 1 for i in range(start, len(tokens)) if tokens[i] in stop_token_ids), None)
 
 
 class OutputEnd:

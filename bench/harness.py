@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.methods import Context, Generation, Run, Unavailable, synchronize
+from configuration_dflash import first_stop
 
 WARMUP_TOKENS = 16
 
@@ -55,8 +56,7 @@ def peak_rss_mib() -> float:
 
 def truncate(tokens: list[int], stop_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """Output as a user sees it: up to and including the first stop token, at most `max_new_tokens`."""
-    end = next((i + 1 for i, t in enumerate(tokens) if t in set(stop_token_ids)), len(tokens))
-    return tokens[: min(end, max_new_tokens)]
+    return tokens[: min(first_stop(tokens, set(stop_token_ids)) or len(tokens), max_new_tokens)]
 
 
 def encode(tokenizer, messages: list[dict], device="cpu") -> torch.Tensor:

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import ArraysCache, ConcatenateKVCache, KVCache, Quanti
 from mlx_lm.sample_utils import greedy_sampler, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from configuration_dflash import check_fits_target
+from configuration_dflash import check_fits_target, first_stop
 
 from .model import Model
 
@@ -153,11 +153,6 @@ def context_features(outputs: dict, layer_ids: list[int]) -> mx.array:
 def accepted_length(draft_tokens: list[int], target_tokens: list[int]) -> int:
     """Number of leading drafted tokens that equal the target's choice at the previous position."""
     return next((i for i, (d, t) in enumerate(zip(draft_tokens, target_tokens)) if d != t), len(draft_tokens))
-
-
-def first_stop(tokens: list[int], stop_token_ids: set) -> Optional[int]:
-    """Index just after the first stop token in `tokens`, or None."""
-    return next((i + 1 for i, t in enumerate(tokens) if t in stop_token_ids), None)
 
 
 def snapshot_states(cache: list) -> list:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from configuration_dflash import first_stop
+
 logger = logging.getLogger(__name__)
 
 REGISTRY_SOURCES = {"sharegpt"}
@@ -210,7 +212,7 @@ def regenerate_responses(
                 pad_token_id=pad_id, eos_token_id=sorted(stop_ids),
             )
             for example, row in zip(batch, out[:, width:].tolist()):
-                end = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
+                end = first_stop(row, stop_ids) or len(row)
                 cached[response_cache_key(example)] = row[:end]
                 f.write(json.dumps({"id": response_cache_key(example), "response_ids": row[:end]}) + "\n")
             f.flush()
