@@ -1,6 +1,6 @@
 """Converts a DFlash draft (ours or the published z-lab layout) to an MLX folder, optionally quantized.
 
-    python -m mlx_port.convert --hf-path DRAFT_DIR --mlx-path draft-mlx [-q --q-bits 4 --q-group-size 64] [--dtype bfloat16]
+    python -m mlx_port convert --hf-path DRAFT_DIR --mlx-path draft-mlx [-q --q-bits 4 --q-group-size 64] [--dtype bfloat16]
 
 The output keeps the DFlash config fields. Loading, quantizing and saving are mlx-lm's own functions; the draft
 class comes from `mlx_port.model`. Nothing is written at `--mlx-path` until the whole folder is complete.

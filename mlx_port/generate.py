@@ -1,11 +1,11 @@
-"""DFlash speculative decoding on MLX: `stream_generate`, `generate` and `python -m mlx_port.generate`.
+"""DFlash speculative decoding on MLX: `stream_generate`, `generate` and `python -m mlx_port generate`.
 
 Each round drafts a block `[last token, MASK x (B-1)]` in one draft pass, verifies it in one target pass, keeps the
 longest prefix the target agrees with plus the target's own next token, and rolls the target cache back to that
 prefix. Sampling uses the one-hot rule: the draft proposes its argmax, the target samples every block position, and
 draft tokens are kept while they equal the target's samples, so the output has exactly the target's distribution.
 
-    python -m mlx_port.generate --model TARGET --draft-model draft-mlx --prompt "..." --max-tokens 256 --temp 0.0
+    python -m mlx_port generate --model TARGET --draft-model draft-mlx --prompt "..." --max-tokens 256 --temp 0.0
 """
 
 import argparse

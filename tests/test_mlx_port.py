@@ -564,22 +564,23 @@ def test_accepted_length():
 
 
 def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work):
-    """`python -m mlx_port.convert -q` then `python -m mlx_port.generate`, run as `__main__` in one subprocess (one
-    import of mlx-lm), print what mlx-lm's own greedy decoding makes."""
+    """`python -m mlx_port convert -q` then `python -m mlx_port generate`, run as `__main__` in one subprocess (one
+    import of mlx-lm), print what mlx-lm's own greedy decoding makes, with no runpy warning."""
     out = work / "cli-draft"
     convert_argv = ["--hf-path", str(draft_dir), "--mlx-path", str(out), "-q", "--q-bits", "8", "--q-group-size", "32"]
     generate_argv = ["--model", str(target_dir), "--draft-model", str(out), "--prompt", "w5 w6 w7", "--max-tokens", "12"]
     generate_argv += ["--temp", "0", "--block-size", "4", "--compare"]
     script = (
         "import runpy, sys\n"
-        f"sys.argv = ['convert'] + {convert_argv!r}\n"
-        "runpy.run_module('mlx_port.convert', run_name='__main__')\n"
+        f"sys.argv = ['mlx_port', 'convert'] + {convert_argv!r}\n"
+        "runpy.run_module('mlx_port', run_name='__main__', alter_sys=True)\n"
         "print('=== generate')\n"
-        f"sys.argv = ['generate'] + {generate_argv!r}\n"
-        "runpy.run_module('mlx_port.generate', run_name='__main__')\n"
+        f"sys.argv = ['mlx_port', 'generate'] + {generate_argv!r}\n"
+        "runpy.run_module('mlx_port', run_name='__main__', alter_sys=True)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning" not in done.stderr, done.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
     generated = done.stdout.split("=== generate\n")[1]
     text, summary, plain = generated.rstrip("\n").rsplit("\n", 2)
