@@ -13,7 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
@@ -84,6 +90,15 @@ def check_generation_inputs(input_ids: torch.Tensor, max_new_tokens: int, block_
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if block_size < 2:
         raise ValueError(f"block_size must be at least 2 (the last token plus one drafted token), got {block_size}")
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be at least 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
 
 
 def check_schedule(schedule: str | None) -> None:
@@ -182,12 +197,25 @@ def next_block_size(block_size: int, accepted: int, max_block_size: int) -> int:
     return min(max(drafted, 1), max_block_size - 1) + 1
 
 
-def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Greedy at temperature 0, else one independent sample per position. `logits`: `[1, n, vocab]`."""
+def sampling_warpers(temperature: float, top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
+    """transformers' own temperature, top-k and top-p warpers, in `generate`'s order; empty when greedy."""
     if temperature == 0:
+        return LogitsProcessorList()
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def pick_tokens(logits: torch.Tensor, warpers: LogitsProcessorList, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Greedy without warpers, else one independent sample per position from the warped distribution.
+    `logits`: `[1, n, vocab]`."""
+    if not warpers:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits[0].float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).T
+    scores = warpers(None, logits[0].float())  # these warpers never read the input ids
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).T
 
 
 class OutputEnd:
@@ -243,6 +271,8 @@ def spec_generate(
     streamer: BaseStreamer | None = None,
     block_size_schedule: str = "constant",
     tree_budget: int | None = None,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ):
     """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
     identical tokens at `temperature=0`, the same distribution above it.
@@ -253,6 +283,8 @@ def spec_generate(
         max_new_tokens: at most this many new tokens.
         stop_token_ids: generation ends after the first of these tokens (it is kept).
         temperature: 0 for greedy decoding.
+        top_p, top_k: nucleus and top-k filtering of the target's distribution when sampling (1.0 and 0: off), as
+            transformers' warpers apply them; output is sampled from exactly that filtered distribution.
         block_size: tokens per draft block, including the last committed token; defaults to `config.block_size`.
         return_stats: return a `SpecGenerateOutput` with acceptance lengths instead of the ids alone.
         generator: optional `torch.Generator` for sampling.
@@ -268,10 +300,11 @@ def spec_generate(
     block_size = block_size or self.config.block_size
     tree_budget = (tree_budget if tree_budget is not None else self.config.tree_budget) or None
     check_generation_inputs(input_ids, max_new_tokens, block_size)
+    check_sampling(temperature, top_p, top_k)
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
     check_tree_request(target, tree_budget, block_size_schedule, input_ids.shape[1] + max_new_tokens + block_size)
-    ending = OutputEnd(set(stop_token_ids or []), max_new_tokens)
+    ending, warpers = OutputEnd(set(stop_token_ids or []), max_new_tokens), sampling_warpers(temperature, top_k, top_p)
     embed, head = target.get_input_embeddings(), draft_head(self, target.get_output_embeddings())
     cache_name = cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
@@ -283,7 +316,7 @@ def spec_generate(
     with LayerFeatures(target, self.config.target_layer_ids) as features:
         # prefill: the target reads the prompt and picks the first new token
         out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_name: target_cache})
-        last = pick_tokens(out.logits[:, -1:], temperature, generator)
+        last = pick_tokens(out.logits[:, -1:], warpers, generator)
         new_tokens, context, out = last[0].tolist(), features.pop(), None
         acceptance_lengths: list[int] = []
         start = prompt_len  # position of the last committed token, which is not yet in the target's cache
@@ -296,11 +329,11 @@ def spec_generate(
                 verify_ids = torch.cat([last, logits.argmax(dim=-1)], dim=1)
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
-                tree = propose(logits, tree_budget, temperature)
+                tree = propose(logits, tree_budget, warpers)
                 verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
                 positions, mask = tree.position_ids(start, input_ids.device), tree.attention_mask(start, target.dtype, input_ids.device)
             out = target(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
-            chosen = pick_tokens(out.logits, temperature, generator)
+            chosen = pick_tokens(out.logits, warpers, generator)
             tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
             drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]
             tree = DraftTree.chain(drafted) if tree_budget is None else tree

@@ -83,13 +83,14 @@ def build_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     return tree
 
 
-def propose(logits: torch.Tensor, budget: int | None, temperature: float) -> DraftTree:
-    """The round's draft: the argmax chain when `budget` is None, else a best-first tree of `budget` nodes scored
-    with the draft's distribution at the sampling temperature. `logits`: `[1, depth, vocab]`."""
+def propose(logits: torch.Tensor, budget: int | None, warpers=None) -> DraftTree:
+    """The round's draft: the argmax chain when `budget` is None, else a best-first tree of `budget` nodes scored with
+    the draft's distribution after the call's sampling warpers (none when greedy), so a token the target cannot
+    sample is never proposed. `logits`: `[1, depth, vocab]`."""
     if budget is None:
         return DraftTree.chain(logits[0].argmax(dim=-1).tolist())
-    scaled = logits[0].float() / temperature if temperature > 0 else logits[0].float()
-    return build_tree(torch.log_softmax(scaled, dim=-1), budget)
+    scores = warpers(None, logits[0].float()) if warpers else logits[0].float()
+    return build_tree(torch.log_softmax(scores, dim=-1), budget)
 
 
 def compact_cache(cache: DynamicCache, first: int, path: list[int]) -> None:

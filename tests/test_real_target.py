@@ -198,8 +198,8 @@ def in_support(target, out: torch.Tensor, prompt_len: int, processors) -> list[b
 
 
 def test_sampling_keeps_the_processors_support(models, prompts):
-    """Seeded sampling runs through both routes and never emits a token that top-k excludes (the exact-distribution
-    chi-square tests run on the tiny models)."""
+    """Seeded sampling runs through both routes (and a tree) and never emits a token that top-k or top-p excludes (the
+    exact-distribution chi-square tests run on the tiny models)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     target, tokenizer, draft = models
@@ -211,9 +211,12 @@ def test_sampling_keeps_the_processors_support(models, prompts):
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(4), TopPLogitsWarper(0.9)])
     assert calls.count >= 1 and out.shape[1] > ids.shape[1] + 1
     assert all(in_support(target, out, ids.shape[1], processors)), "a token that top-k or top-p excludes"
-    stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, temperature=0.8, return_stats=True,
-                                generator=torch.Generator().manual_seed(0), stop_token_ids=[tokenizer.eos_token_id])
-    assert stats.num_output_tokens >= 1 and len(stats.acceptance_lengths) >= 1
+    for tree_budget in (0, 16):
+        stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, temperature=0.8, top_k=4, top_p=0.9, return_stats=True,
+                                    generator=torch.Generator().manual_seed(0), stop_token_ids=[tokenizer.eos_token_id],
+                                    tree_budget=tree_budget)
+        assert stats.num_output_tokens > 1 and len(stats.acceptance_lengths) >= 1
+        assert all(in_support(target, stats.output_ids, ids.shape[1], processors)), f"tree_budget={tree_budget}"
 
 
 def test_demo_prints_identical_output():

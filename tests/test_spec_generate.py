@@ -259,3 +259,42 @@ def test_output_end_looks_at_each_token_once():
     tokens += [3, 5, 6]
     assert ending.update(tokens) == 4 and ending.done(tokens)
     assert OutputEnd(set(), 3).update([1, 2, 3, 4]) == 3
+
+
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_top_k_and_top_p_sampling_matches_the_filtered_distribution(tree_budget):
+    """Chi-square test (fails at p < 1e-4) of the first two tokens sampled with temperature, top-k and top-p, through
+    the chain and through a tree, against the exact distribution under transformers' own warpers."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    target = make_target("llama", initializer_range=0.3)
+    ids, n = torch.tensor([[5, 6, 7]]), 2000
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6), TopPLogitsWarper(0.85)])
+    exact = exact_two_token_distribution(target, ids, warpers)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7)
+    g = torch.Generator().manual_seed(0)
+    counts, accepted = torch.zeros(VOCAB * VOCAB), 0
+    for _ in range(n):
+        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=0.8, top_k=6, top_p=0.85,
+                                    block_size=4, tree_budget=tree_budget, return_stats=True, generator=g)
+        t1, t2 = stats.output_ids[0, 3:].tolist()
+        counts[t1 * VOCAB + t2] += 1
+        accepted += stats.acceptance_lengths[0] > 1
+    assert accepted > n // 10, "the test needs drafted tokens to be accepted"
+    assert (exact > 0).sum() < VOCAB * 6, "the filters must remove tokens"
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"temperature": -1.0}, "temperature must be at least 0"), ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+     ({"top_k": -2}, "top_k must be a non-negative integer")],
+)
+def test_bad_sampling_arguments_fail_before_compute(kwargs, message):
+    target = make_target("llama")
+    calls = []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, **({"temperature": 1.0} | kwargs))
+    assert not calls
