@@ -101,6 +101,12 @@ class DFlashConfig(Qwen3Config):
         dflash = {k: v for k, v in self.dflash_config.items() if k != "draft_vocab"}
         self.dflash_config = dflash if value is None else {**dflash, "draft_vocab": sorted(int(t) for t in value)}
 
+    def dflash_field(self, name: str, default=None):
+        """A DFlash setting as z-lab's reference reads it: from `dflash_config` first, then from the top level
+        (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`, ...)."""
+        value = self.dflash_config.get(name)
+        return value if value is not None else getattr(self, name, default)
+
     @property
     def tree_budget(self) -> int | None:
         """Draft-tree nodes `spec_generate` verifies per round by default; None: the argmax chain. In `dflash_config`,

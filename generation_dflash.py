@@ -161,17 +161,36 @@ class LayerFeatures:
         self.close()
 
 
+def draft_embedding(draft, target) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How the block is embedded: with the target's embedding module, or, when the draft's config sets
+    `input_embedding_scale`, the raw table times that scale, bypassing any scaling inside the module (z-lab's
+    reference; Gemma-style targets use sqrt(hidden))."""
+    embed = target.get_input_embeddings()
+    scale = draft.config.dflash_field("input_embedding_scale")
+    if scale is None:
+        return embed
+    return lambda ids: torch.nn.functional.embedding(ids, embed.weight) * scale
+
+
 def draft_head(draft, lm_head) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The target's head as the draft proposes with it: over `config.draft_vocab` only, when the draft was trained on
-    that subset (FR-Spec), with -inf for every other token; the target still verifies over its whole vocabulary."""
+    """The target's head as the draft proposes with it: times `output_multiplier`, then soft-capped by
+    `final_logit_softcapping` (`tanh(x / c) * c`) where the config sets them; over `config.draft_vocab` only, when the
+    draft was trained on that subset (FR-Spec), with -inf for every other token. The target still verifies over
+    its whole vocabulary with its own head."""
+    multiplier = draft.config.dflash_field("output_multiplier")
+    cap = draft.config.dflash_field("final_logit_softcapping")
     vocab = getattr(draft.config, "draft_vocab", None)
-    if vocab is None:
-        return lm_head
-    ids = torch.tensor(vocab, device=lm_head.weight.device)
-    weight, bias = lm_head.weight[ids], None if lm_head.bias is None else lm_head.bias[ids]
+    ids = None if vocab is None else torch.tensor(vocab, device=lm_head.weight.device)
+    weight, bias = (lm_head.weight, lm_head.bias) if ids is None else (lm_head.weight[ids], None if lm_head.bias is None else lm_head.bias[ids])
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(hidden, weight, bias)
+        if multiplier is not None:
+            logits = logits * multiplier
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        if ids is None:
+            return logits
         full = logits.new_full((*logits.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, ids, logits)
 
@@ -305,7 +324,7 @@ def spec_generate(
     check_draft_fits_target(self, target)
     check_tree_request(target, tree_budget, block_size_schedule, input_ids.shape[1] + max_new_tokens + block_size)
     ending, warpers = OutputEnd(set(stop_token_ids or []), max_new_tokens), sampling_warpers(temperature, top_k, top_p)
-    embed, head = target.get_input_embeddings(), draft_head(self, target.get_output_embeddings())
+    embed, head = draft_embedding(self, target), draft_head(self, target.get_output_embeddings())
     cache_name = cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     input_ids = input_ids.to(target.device)
@@ -388,7 +407,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.cache, self.context_len, self.proposed = DynamicCache(), 0, False
-        self.head = draft_head(draft, target.get_output_embeddings())
+        self.embed, self.head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
         self.features = LayerFeatures(target, draft.config.target_layer_ids)
 
     def close(self) -> None:
@@ -405,8 +424,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.proposed = True
         new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
         context = self.features.pop(slice(0, new))
-        embed = self.target.get_input_embeddings()
-        logits = draft_logits(self.draft, embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
+        logits = draft_logits(self.draft, self.embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
         logits = logits[:, :max_new].float()
         self.context_len = committed
         if self.proposal == "argmax":

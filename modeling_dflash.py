@@ -52,16 +52,28 @@ def key_padding_mask(attention_mask: torch.Tensor | None, query_len: int, dtype:
     return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(blocked, torch.finfo(dtype).min)
 
 
-def sliding_window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive `[1, 1, q, k]` mask hiding keys more than `window - 1` positions before the query (non-causal)."""
-    too_far = (query_pos[:, None] - key_pos[None, :]) >= window
-    return torch.zeros(too_far.shape, dtype=dtype, device=too_far.device).masked_fill(too_far, torch.finfo(dtype).min)[
-        None, None
-    ]
+def draft_attention_mask(query_len: int, key_len: int, causal: bool, window: int | None, dtype, device) -> torch.Tensor | None:
+    """Additive `[1, 1, q, k]` mask of one draft layer, as z-lab's reference defines it: the block's query `i` sits at
+    key index `key_len - query_len + i`; a causal layer hides later keys; a window hides keys `window` or more before
+    the query, and, in a non-causal layer, as far after it. None when nothing is hidden."""
+    if not causal and window is None:
+        return None
+    offset = torch.arange(key_len - query_len, key_len, device=device)[:, None] - torch.arange(key_len, device=device)[None]
+    hidden = offset < 0 if causal else torch.zeros_like(offset, dtype=torch.bool)
+    if window is not None:
+        hidden |= (offset >= window) if causal else (offset.abs() >= window)
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill(hidden, torch.finfo(dtype).min)[None, None]
+
+
+def layer_is_causal(config, layer_type: str) -> bool:
+    """A `sliding_attention` layer is causal and a full one is not, unless a top-level `is_causal` says otherwise for
+    all layers (z-lab's reference, vLLM and SGLang)."""
+    is_causal = getattr(config, "is_causal", None)
+    return bool(is_causal) if is_causal is not None else layer_type == "sliding_attention"
 
 
 class DFlashAttention(nn.Module):
-    """Queries from the block; keys/values from `[context ; block]`, with no causal mask."""
+    """Queries from the block; keys/values from `[context ; block]`; non-causal unless the layer type makes it causal."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -69,9 +81,10 @@ class DFlashAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
-        self.is_causal = False
+        self.is_causal = False  # what transformers' attention functions read; the layer's own mask says it all
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self.sliding_window = config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+        self.causal = layer_is_causal(config, layer_types[layer_idx])
         bias = getattr(config, "attention_bias", False)
         q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
@@ -93,10 +106,9 @@ class DFlashAttention(nn.Module):
         value = self._heads(self.v_proj(kv_input))
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        if self.sliding_window is not None:
-            positions = torch.arange(key.shape[-2], device=key.device)
-            window = sliding_window_mask(positions[-query.shape[-2] :], positions, self.sliding_window, query.dtype)
-            attention_mask = window if attention_mask is None else attention_mask + window
+        own = draft_attention_mask(query.shape[-2], key.shape[-2], self.causal, self.sliding_window, query.dtype, query.device)
+        if own is not None:
+            attention_mask = own if attention_mask is None else attention_mask + own
         impl = self.config._attn_implementation
         attention: Callable = eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
         out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling)

@@ -74,15 +74,33 @@ def target_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
     return head if head is not None else model.model.embed_tokens.as_linear
 
 
+def draft_embedding(draft: Model, embed: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The target's (raw) embedding table, times `input_embedding_scale` when the draft's config sets it, as the
+    torch `draft_embedding`."""
+    scale = draft.args.dflash_field("input_embedding_scale")
+    return embed if scale is None else (lambda ids: embed(ids) * scale)
+
+
 def draft_head(draft: Model, head: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
-    """`head` as the draft proposes with it: -inf outside `dflash_config.draft_vocab` when the draft was trained on
-    that subset (FR-Spec); the target still verifies over its whole vocabulary."""
+    """`head` as the draft proposes with it, as the torch `draft_head`: times `output_multiplier`, soft-capped by
+    `final_logit_softcapping`, and -inf outside `dflash_config.draft_vocab` when the draft was trained on that subset
+    (FR-Spec); the target still verifies over its whole vocabulary."""
+    multiplier, cap = draft.args.dflash_field("output_multiplier"), draft.args.dflash_field("final_logit_softcapping")
     vocab = draft.args.dflash_config.get("draft_vocab")
-    if vocab is None:
-        return head
-    penalty = mx.full((draft.args.vocab_size,), -mx.inf)
-    penalty[mx.array(vocab)] = 0.0
-    return lambda hidden: head(hidden) + penalty
+    penalty = None
+    if vocab is not None:
+        penalty = mx.full((draft.args.vocab_size,), -mx.inf)
+        penalty[mx.array(vocab)] = 0.0
+
+    def proposed(hidden: mx.array) -> mx.array:
+        logits = head(hidden)
+        if multiplier is not None:
+            logits = logits * multiplier
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits if penalty is None else logits + penalty
+
+    return proposed
 
 
 def check_draft_fits_target(draft: Model, model: nn.Module) -> None:
@@ -208,7 +226,8 @@ def dflash_generate_step(
     is_hybrid = check_target_cache(cache)
     draft_cache = draft.make_cache(sliding_window_size)
     sampler = sampler or greedy_sampler
-    layer_ids, embed, head = draft.target_layer_ids, model.model.embed_tokens, draft_head(draft, target_head(model))
+    layer_ids, head = draft.target_layer_ids, draft_head(draft, target_head(model))
+    embed = draft_embedding(draft, model.model.embed_tokens)
     masks = [draft.mask_token_id] * (block_size - 1)
 
     def sample(logits: mx.array) -> mx.array:

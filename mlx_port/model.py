@@ -29,6 +29,10 @@ class ModelArgs(qwen3.ModelArgs):
     sliding_window: Optional[int] = None
     max_window_layers: int = 28
     layer_types: Optional[list] = None
+    is_causal: Optional[bool] = None  # top level, for all layers; absent: sliding layers causal, full ones not
+    input_embedding_scale: Optional[float] = None  # these three may also sit in `dflash_config` (`dflash_field`)
+    output_multiplier: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self):
         super().__post_init__()  # reads `rope_theta` from `rope_parameters` in transformers-5 configs
@@ -47,18 +51,32 @@ class ModelArgs(qwen3.ModelArgs):
     def target_layer_ids(self) -> list[int]:
         return list(self.dflash_config.get("target_layer_ids") or [])
 
+    def dflash_field(self, name: str, default=None):
+        """A DFlash setting read as the torch config's `dflash_field`: `dflash_config` first, then the top level."""
+        value = self.dflash_config.get(name)
+        return value if value is not None else getattr(self, name, default)
+
     @property
     def mask_token_id(self) -> Optional[int]:
         return self.dflash_config.get("mask_token_id")
 
 
-def sliding_window_mask(query_pos: mx.array, key_pos: mx.array, window: int) -> mx.array:
-    """Boolean `[q, k]` mask (True = visible) hiding keys `window` or more positions before the query (non-causal)."""
-    return (query_pos[:, None] - key_pos[None, :]) < window
+def draft_attention_mask(query_len: int, key_len: int, causal: bool, window: Optional[int]) -> Optional[mx.array]:
+    """Boolean `[q, k]` mask (True = visible) of one draft layer, as the torch draft's `draft_attention_mask`: the
+    block's query `i` sits at key index `key_len - query_len + i`; causal layers hide later keys; a window hides keys
+    `window` or more before the query, and as far after it in a non-causal layer. None when all are visible."""
+    if not causal and window is None:
+        return None
+    offset = mx.arange(key_len - query_len, key_len)[:, None] - mx.arange(key_len)[None, :]
+    visible = offset >= 0 if causal else mx.ones(offset.shape, dtype=mx.bool_)
+    if window is not None:
+        visible = visible & ((offset < window) if causal else (mx.abs(offset) < window))
+    return visible
 
 
 class DFlashAttention(nn.Module):
-    """Queries from the block; keys/values from `[cached context ; new context ; block]`, with no causal mask."""
+    """Queries from the block; keys/values from `[cached context ; new context ; block]`; non-causal unless the layer
+    type makes it causal (`layer_is_causal`)."""
 
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -67,6 +85,7 @@ class DFlashAttention(nn.Module):
         self.scale = head_dim**-0.5
         is_sliding = args.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = args.sliding_window if is_sliding else None
+        self.causal = args.is_causal if args.is_causal is not None else is_sliding
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
@@ -100,11 +119,7 @@ class DFlashAttention(nn.Module):
                 ctx_keys, ctx_values = cache.keys_and_values()
             keys = mx.concatenate([ctx_keys, keys[:, :, n_ctx:]], axis=2)
             values = mx.concatenate([ctx_values, values[:, :, n_ctx:]], axis=2)
-        mask = None
-        if self.sliding_window is not None:
-            end = start + n_ctx + L
-            key_pos = mx.arange(end - keys.shape[2], end)
-            mask = sliding_window_mask(key_pos[-L:], key_pos, self.sliding_window)
+        mask = draft_attention_mask(L, keys.shape[2], self.causal, self.sliding_window)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

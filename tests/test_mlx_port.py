@@ -362,8 +362,10 @@ def torch_and_mlx_hidden(torch_draft: DFlashDraftModel, mlx_draft: Model, steps:
         {},
         {"attention_bias": True},
         {"use_sliding_window": True, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+        {"use_sliding_window": True, "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"], "is_causal": False},
+        {"is_causal": True},
     ],
-    ids=["qwen3", "attention_bias", "sliding_layer"],
+    ids=["qwen3", "attention_bias", "sliding_layer", "non_causal_window_3", "all_causal"],
 )
 def test_hidden_states_match_torch(work, overrides):
     torch_draft = make_draft(**overrides)
@@ -374,7 +376,9 @@ def test_hidden_states_match_torch(work, overrides):
                     p.normal_(0, 0.5)
     mlx_draft = to_mlx_draft(torch_draft, work / f"parity-{len(list(work.iterdir()))}")
     if "layer_types" in overrides:
-        assert mlx_draft.layers[0].self_attn.sliding_window == 6 and mlx_draft.layers[1].self_attn.sliding_window is None
+        window = overrides["sliding_window"]
+        assert mlx_draft.layers[0].self_attn.sliding_window == window and mlx_draft.layers[1].self_attn.sliding_window is None
+    assert [layer.self_attn.causal for layer in mlx_draft.layers] == [layer.self_attn.causal for layer in torch_draft.layers]
     for i, (expected, got) in enumerate(torch_and_mlx_hidden(torch_draft, mlx_draft, [(5, 4), (3, 4), (1, 8), (4, 4)])):
         diff = float(np.abs(expected - got).max())
         assert diff < 1e-4, f"round {i}: max |torch - mlx| = {diff:.3g}"
@@ -589,3 +593,30 @@ def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work
     assert text.split() == [f"w{t}" for t in expected], done.stdout
     assert summary.startswith("DFlash: ") and "mean acceptance length" in summary, done.stdout
     assert plain.startswith("mlx-lm: ") and "speed-up" in plain, done.stdout
+
+
+def test_draft_head_and_embedding_match_torch():
+    """`output_multiplier`, `final_logit_softcapping`, `draft_vocab` and `input_embedding_scale` shape the MLX
+    proposals exactly as the torch ones."""
+    import mlx.nn as nn
+
+    from generation_dflash import draft_head as torch_draft_head
+    from mlx_port.generate import draft_embedding, draft_head
+
+    torch_draft = make_draft(input_embedding_scale=1.5, final_logit_softcapping=2.0)
+    torch_draft.config.dflash_config = {**torch_draft.config.dflash_config, "output_multiplier": 0.5, "draft_vocab": [3, 9, 11]}
+    args = ModelArgs.from_dict(torch_draft.config.to_dict())
+    mlx_draft = Model(args)
+    weight = torch.randn(VOCAB, torch_draft.config.hidden_size)
+    lm_head = torch.nn.Linear(torch_draft.config.hidden_size, VOCAB, bias=False)
+    lm_head.weight.data = weight
+    hidden = torch.randn(1, 3, torch_draft.config.hidden_size) * 10
+    with torch.no_grad():
+        expected = torch_draft_head(torch_draft, lm_head)(hidden).numpy()
+    got = np.array(draft_head(mlx_draft, lambda h: h @ mx.array(weight.numpy()).T)(mx.array(hidden.numpy())))
+    finite = np.isfinite(expected)
+    assert (finite == np.isfinite(got)).all() and finite.sum() == 9
+    assert np.abs(expected[finite] - got[finite]).max() < 1e-5
+    table = nn.Embedding(VOCAB, torch_draft.config.hidden_size)
+    ids = mx.array([[4, MASK_ID]])
+    assert np.allclose(np.array(draft_embedding(mlx_draft, table)(ids)), np.array(table(ids)) * 1.5)

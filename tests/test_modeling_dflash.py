@@ -242,3 +242,53 @@ def test_strict_loading_refuses_bad_checkpoint(zlab_dir, change):
     expected = {"missing": "missing_keys", "unexpected": "unexpected_keys", "shape": "mismatch"}[change]
     with pytest.raises((ValueError, RuntimeError), match=expected):
         DFlashDraftModel.from_pretrained(zlab_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The newer v1 options (z-lab's reference @ 07ebd93): attention semantics of `layer_types`, fields in `dflash_config`.
+
+
+def test_draft_attention_mask_matches_the_reference_rule():
+    from modeling_dflash import draft_attention_mask
+
+    def visible(causal, window):
+        mask = draft_attention_mask(3, 6, causal, window, torch.float32, "cpu")
+        return None if mask is None else (mask[0, 0] == 0).int().tolist()
+
+    # queries sit at key indices 3, 4, 5
+    assert visible(False, None) is None
+    assert visible(True, None) == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    assert visible(True, 2) == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]
+    assert visible(False, 2) == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize(
+    "overrides, causal",
+    [
+        ({"layer_types": ["sliding_attention", "sliding_attention"], "use_sliding_window": True, "sliding_window": 64}, True),
+        ({"layer_types": ["sliding_attention", "sliding_attention"], "use_sliding_window": True, "sliding_window": 64,
+          "is_causal": False}, False),
+        ({"is_causal": True}, True),
+        ({}, False),
+    ],
+    ids=["sliding-is-causal", "is_causal-false", "is_causal-true-for-full-layers", "full-is-not"],
+)
+def test_causal_layers_do_not_see_later_block_positions(overrides, causal):
+    draft = make_draft(**overrides)
+    noise, ctx = torch.randn(1, 6, HIDDEN), torch.randn(1, 5, 2 * HIDDEN)
+    later = noise.clone()
+    later[:, 4:] += 1.0  # change the last two block positions only
+    with torch.no_grad():
+        a, b = (draft(noise_embeds=x, context_hidden_states=ctx).last_hidden_state for x in (noise, later))
+    assert torch.allclose(a[:, :4], b[:, :4], atol=1e-6) == causal
+
+
+def test_v1_fields_are_read_from_dflash_config_first_then_the_top_level(tmp_path):
+    config = make_draft_config(input_embedding_scale=2.0, final_logit_softcapping=30.0)
+    config.dflash_config = {**config.dflash_config, "output_multiplier": 0.5, "final_logit_softcapping": 20.0}
+    DFlashDraftModel(config).save_pretrained(tmp_path)
+    loaded = DFlashConfig.from_pretrained(tmp_path)
+    assert loaded.dflash_field("input_embedding_scale") == 2.0  # top level only
+    assert loaded.dflash_field("output_multiplier") == 0.5  # dflash_config only
+    assert loaded.dflash_field("final_logit_softcapping") == 20.0  # both: dflash_config wins
+    assert make_draft_config().dflash_field("output_multiplier") is None

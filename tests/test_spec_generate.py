@@ -298,3 +298,46 @@ def test_bad_sampling_arguments_fail_before_compute(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, **({"temperature": 1.0} | kwargs))
     assert not calls
+
+
+def test_input_embedding_scale_embeds_from_the_raw_table():
+    """With `input_embedding_scale` the block is the raw table times the scale, bypassing the target's own scaled
+    embedding module (Gemma-style); without it the module embeds, as before. Output stays exact."""
+    from generation_dflash import draft_embedding
+
+    class ScaledEmbedding(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    target = make_target("llama")
+    scaled = ScaledEmbedding(VOCAB, target.config.hidden_size)
+    scaled.weight = target.model.embed_tokens.weight
+    target.model.embed_tokens = scaled
+    ids, raw = torch.tensor([[5, 6, 7]]), target.model.embed_tokens.weight
+    expected = greedy_reference(target, ids, 12)
+    for scale, factor in ((None, 3.0), (2.0, 2.0)):
+        draft = make_draft(**({} if scale is None else {"input_embedding_scale": scale}))
+        block = torch.tensor([[9, MASK_ID, MASK_ID]])
+        assert torch.allclose(draft_embedding(draft, target)(block), raw[block] * factor)
+        seen = []
+        draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["noise_embeds"]), with_kwargs=True)
+        assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, block_size=4), expected)
+        assert torch.allclose(seen[0][0, 1], raw[MASK_ID] * factor)
+
+
+def test_output_multiplier_and_softcapping_shape_the_draft_logits_only():
+    from generation_dflash import draft_head
+
+    target = make_target("llama")
+    lm_head, hidden = target.get_output_embeddings(), torch.randn(1, 3, target.config.hidden_size) * 20
+    draft = make_draft(output_multiplier=0.5, final_logit_softcapping=2.0)
+    with torch.no_grad():
+        expected = torch.tanh(lm_head(hidden) * 0.5 / 2.0) * 2.0
+        assert torch.allclose(draft_head(draft, lm_head)(hidden), expected, atol=1e-6)
+        draft.config.draft_vocab = [3, 9]
+        subset = draft_head(draft, lm_head)(hidden)
+    assert torch.isinf(subset).sum() == 3 * (VOCAB - 2) and torch.allclose(subset[..., [3, 9]], expected[..., [3, 9]], atol=1e-6)
+    ids = torch.tensor([[5, 6, 7]])
+    draft.config.draft_vocab = None
+    out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, temperature=0.0, block_size=4)
+    assert torch.equal(out, greedy_reference(target, ids, 12))

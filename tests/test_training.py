@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import MASK_ID, ROOT, TARGET_LAYERS, VOCAB, greedy_reference, make_target
+from conftest import MASK_ID, ROOT, TARGET_LAYERS, VOCAB, greedy_reference, make_draft, make_target
 
 from training import (
     TrainConfig,
@@ -395,6 +395,13 @@ def test_empty_dataset_is_refused(tmp_path):
     target = make_target("llama")
     with pytest.raises(ValueError, match="dataset is empty"):
         train(tiny_draft(target), target, [], tmp_path, quick_config(max_steps=1), progress=False)
+
+
+def test_causal_or_sliding_draft_is_refused(tmp_path):
+    target = make_target("llama")
+    draft = make_draft(is_causal=True)
+    with pytest.raises(ValueError, match="non-causal full attention"):
+        train(draft, target, [object()], tmp_path, quick_config(max_steps=1), progress=False)
 
 
 def test_output_folder_with_other_files_is_never_overwritten(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from configuration_dflash import DFlashConfig
-from generation_dflash import LayerFeatures, check_draft_fits_target, decoder_layers
+from generation_dflash import LayerFeatures, check_draft_fits_target, decoder_layers, draft_embedding
 from modeling_dflash import DFlashDraftModel
 
 from .anchors import additive_mask, anchor_attention_mask, block_inputs, default_gamma, loss_weights, sample_anchors
@@ -223,7 +223,7 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1).flatten(1)
     head_weight, head_bias, vocab = frozen_head(target, vocab)
     with torch.no_grad():
-        noise = target.get_input_embeddings()(tokens.flatten(1))
+        noise = draft_embedding(draft, target)(tokens.flatten(1))
         gathered = final_hidden.gather(1, source[..., None].expand(-1, -1, final_hidden.shape[-1]))
         teacher = torch.nn.functional.linear(gathered, head_weight, head_bias).float().view(b, m, block - 1, -1)
     if label_source == "target" and vocab is None:
@@ -424,6 +424,9 @@ def train(
 
     if not train_sequences:
         raise ValueError("the training dataset is empty: no sequence has a response with at least two tokens")
+    if any(layer.self_attn.causal or layer.self_attn.sliding_window for layer in draft.layers):
+        raise ValueError("training supports drafts whose layers are all non-causal full attention: the one-pass block "
+                         "mask does not model causal or sliding-window layers")
     accelerator = accelerator or Accelerator()
     target.requires_grad_(False).eval().to(accelerator.device)
     weights = loss_weights(draft.config.block_size, config.gamma or default_gamma(draft.config.block_size))
