@@ -235,10 +235,12 @@ def dflash_generate_step(
 
     def prefill(outputs: dict) -> tuple[mx.array, mx.array]:
         features = []
-        for start in range(0, prompt.size, prefill_step_size):
-            logits = model(prompt[None, start : start + prefill_step_size], cache=cache)
+        for start in range(0, prompt.size - 1, prefill_step_size):  # as mlx-lm: these chunks' logits are never computed
+            model(prompt[None, start : min(start + prefill_step_size, prompt.size - 1)], cache=cache)
             features.append(context_features(outputs, layer_ids))
             mx.eval(features[-1], [c.state for c in cache])
+        logits = model(prompt[None, -1:], cache=cache)  # the last prompt token alone: one position of logits
+        features.append(context_features(outputs, layer_ids))
         return sample(logits[0, -1:]), mx.concatenate(features, axis=1)
 
     def draft_block(last: int, context: mx.array) -> mx.array:
@@ -269,7 +271,8 @@ def dflash_generate_step(
             verify = mx.concatenate([mx.array([last], dtype=drafted.dtype), drafted])
             states = snapshot_states(cache) if is_hybrid else None
             chosen = sample(model(verify[None], cache=cache)[0])
-            proposed, target_tokens = drafted.tolist(), chosen.tolist()
+            tokens = mx.concatenate([drafted, chosen.astype(drafted.dtype)]).tolist()  # the round's one host round trip
+            proposed, target_tokens = tokens[: block_size - 1], tokens[block_size - 1 :]
             accepted = accepted_length(proposed, target_tokens[:-1])
             context = context_features(outputs, layer_ids)[:, : accepted + 1]
             rewind(block_size - accepted - 1, states, verify[: accepted + 1])

@@ -620,3 +620,11 @@ def test_draft_head_and_embedding_match_torch():
     table = nn.Embedding(VOCAB, torch_draft.config.hidden_size)
     ids = mx.array([[4, MASK_ID]])
     assert np.allclose(np.array(draft_embedding(mlx_draft, table)(ids)), np.array(table(ids)) * 1.5)
+
+
+@pytest.mark.parametrize("prompt_len, step", [(1, 4), (9, 4), (8, 4), (5, 2048)])
+def test_chunked_prefill_matches_mlx_lm_greedy(target, draft, prompt_len, step):
+    """The prompt but its last token is prefilled in `prefill_step_size` chunks (no logits), the last token alone."""
+    prompt = list(range(10, 10 + prompt_len))
+    tokens, _ = run(target, draft, prompt, block_size=4, max_tokens=16, prefill_step_size=step)
+    assert tokens == mlx_greedy(target, prompt, 16)
