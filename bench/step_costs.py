@@ -1,7 +1,8 @@
-"""Per-step costs behind DFlash's speed on this machine: target passes over B tokens, the draft's layers and head
-(the full head, and the draft's own vocabulary when it has one).
+"""Per-round costs behind DFlash's speed on this machine, measured on real decode rounds of the default target and
+the shipped draft: a plain decode step, then for each block size a round's draft step (its layers on the newly
+committed features with its cache, and its head), the verify pass, and the cache crop.
 
-    python -m bench.step_costs [--threads 1] [--repeats 5]
+    python -m bench.step_costs [--threads 2] [--repeats 10] [--context 64] [--accepted 2]
 """
 
 import argparse
@@ -12,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from default_target import load_default_target
-from generation_dflash import cache_kwarg, draft_head
+from generation_dflash import LayerFeatures, cache_kwarg, draft_embedding, draft_head, draft_logits, drop_last
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,36 +27,55 @@ def mean_ms(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1000
 
 
+def prefilled(target, draft, context: int, new: int):
+    """Both caches after `context` committed tokens, the draft's holding all but the `new` last features."""
+    name, ids = cache_kwarg(target), torch.randint(100, 1000, (1, context + 1))
+    target_cache, draft_cache = DynamicCache(), DynamicCache()
+    with LayerFeatures(target, draft.config.target_layer_ids) as features:
+        target(input_ids=ids[:, :context], use_cache=True, **{name: target_cache})
+        committed = features.pop()
+    embed, head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
+    draft_logits(draft, embed, head, ids[:, context - new : context - new + 1], committed[:, : context - new],
+                 context - new, draft_cache, 2)
+    return target_cache, draft_cache, committed[:, context - new :], ids[:, context:], (embed, head)
+
+
+def round_costs(target, draft, block: int, context: int, accepted: int, repeats: int) -> dict[str, float]:
+    """Milliseconds of one round's draft step (its layers on the `accepted + 1` features the last round committed,
+    with its cache, and its head) and verify pass with the crop; both caches return to their length after each."""
+    name = cache_kwarg(target)
+    target_cache, draft_cache, new, last, (embed, head) = prefilled(target, draft, context, accepted + 1)
+    verify_ids = torch.randint(100, 1000, (1, block))
+
+    def draft_step():
+        draft_logits(draft, embed, head, last, new, context, draft_cache, block).argmax(-1).tolist()
+        drop_last(draft_cache, new.shape[1])
+
+    def verify_and_crop():
+        target(input_ids=verify_ids, use_cache=True, **{name: target_cache}).logits.argmax(-1).tolist()
+        drop_last(target_cache, block)
+
+    return {"draft": mean_ms(draft_step, repeats), "verify": mean_ms(verify_and_crop, repeats)}
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--context", type=int, default=64, help="committed tokens before the round")
+    parser.add_argument("--accepted", type=int, default=1, help="drafted tokens the previous round kept")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_default_target()
     draft = DFlashDraftModel.from_pretrained(ROOT).eval()
-    cache = DynamicCache()
-    with_cache = {cache_kwarg(target): cache}
-    target(torch.randint(100, 1000, (1, 64)), use_cache=True, **with_cache)
-    for block in (1, 2, 4, 8, 16):
-        ids = torch.randint(100, 1000, (1, block))
-
-        def verify():
-            target(ids, use_cache=True, **with_cache)
-            cache.crop(-block)  # keep the context at 64 tokens
-
-        print(f"target pass over {block:2d} tokens: {mean_ms(verify, args.repeats):6.1f} ms")
-    full_head, head = target.get_output_embeddings(), draft_head(draft, target.get_output_embeddings())
-    vocab = len(draft.config.draft_vocab) if draft.config.draft_vocab else "all"
-    features = torch.randn(1, 64, len(draft.config.target_layer_ids) * draft.config.hidden_size)
-    for block in (2, 8, 16):
-        noise = target.get_input_embeddings()(torch.full((1, block), draft.config.mask_token_id))
-        hidden = torch.randn(1, block - 1, draft.config.hidden_size)
-        layers = mean_ms(lambda: draft(noise_embeds=noise, context_hidden_states=features), args.repeats)
-        full, own = mean_ms(lambda: full_head(hidden), args.repeats), mean_ms(lambda: head(hidden), args.repeats)
-        print(f"draft layers, block {block:2d}: {layers:5.1f} ms; head over {block - 1:2d} positions: "
-              f"{full:5.1f} ms full, {own:5.1f} ms over the draft's vocabulary ({vocab} tokens)")
+    step = round_costs(target, draft, 1, args.context, 0, args.repeats)["verify"]  # a verify of one token is a decode step
+    print(f"plain decode step: {step:.1f} ms (context {args.context})")
+    for block in (4, 8, 16):
+        costs = round_costs(target, draft, block, args.context, args.accepted, args.repeats)
+        total = costs["draft"] + costs["verify"]
+        print(f"block {block:2d} round: draft {costs['draft']:.1f} ms + verify and crop {costs['verify']:.1f} ms = "
+              f"{total:.1f} ms, {total / step:.2f} decode steps: break-even at tau {total / step:.2f}")
 
 
 if __name__ == "__main__":
