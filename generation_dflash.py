@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 from transformers import (
     DynamicCache,
+    StaticCache,
     LogitsProcessorList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -104,6 +106,37 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
 def check_schedule(schedule: str | None) -> None:
     if schedule not in (None, "constant", "heuristic"):
         raise ValueError(f"block size schedule {schedule!r} is not supported with DFlash; use 'constant' or 'heuristic'")
+
+
+def static_length(cache) -> int | None:
+    """The slots of a preallocated cache (its keys span them all), or None for a growing one."""
+    lengths = {getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", None) or []}
+    if len(lengths) > 1:
+        raise ValueError(f"a cache whose layers differ in length ({sorted(lengths, key=str)}) is not supported")
+    return next(iter(lengths), None)
+
+
+def target_cache_for(target, cache_implementation: str | None, past_key_values, max_length: int):
+    """The target cache of one call: a new `DynamicCache`, a new `StaticCache` of `max_length` slots, or the caller's
+    empty cache, checked before any compute to be one whose every layer can be cropped."""
+    if past_key_values is not None and cache_implementation is not None:
+        raise ValueError("pass either cache_implementation or past_key_values, not both")
+    if cache_implementation not in (None, "dynamic", "static"):
+        raise ValueError(f"cache_implementation={cache_implementation!r} is not supported; use 'dynamic' or 'static'")
+    if past_key_values is None and cache_implementation != "static":
+        return DynamicCache()
+    cache = past_key_values if past_key_values is not None else StaticCache(config=target.config, max_cache_len=max_length)
+    if int(cache.get_seq_length()) > 0:
+        raise ValueError("past_key_values must be empty: the draft needs the target features of every prompt token")
+    layers = getattr(cache, "layers", None) or []
+    if not isinstance(cache, DynamicCache) and not (layers and all(getattr(layer, "is_croppable", False) for layer in layers)):
+        raise ValueError(
+            f"{type(cache).__name__} cannot be cropped back to an accepted prefix with transformers "
+            f"{transformers.__version__}; DFlash needs a dynamic cache, or a static one on transformers 5 or newer"
+        )
+    if (static_length(cache) or max_length) < max_length:
+        raise ValueError(f"the cache holds {static_length(cache)} tokens; this call may need {max_length}")
+    return cache
 
 
 def check_tree_request(target, tree_budget: int | None, schedule: str, final_length: int) -> None:
@@ -292,6 +325,8 @@ def spec_generate(
     tree_budget: int | None = None,
     top_p: float = 1.0,
     top_k: int = 0,
+    cache_implementation: str | None = None,
+    past_key_values=None,
 ):
     """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
     identical tokens at `temperature=0`, the same distribution above it.
@@ -302,6 +337,9 @@ def spec_generate(
         max_new_tokens: at most this many new tokens.
         stop_token_ids: generation ends after the first of these tokens (it is kept).
         temperature: 0 for greedy decoding.
+        cache_implementation: the target's cache, `"dynamic"` (default) or `"static"` (preallocated for the prompt,
+            `max_new_tokens` and one verify; needs transformers 5 or newer, whose static layers can be cropped).
+        past_key_values: an empty cache object to use instead (any whose layers can be cropped).
         top_p, top_k: nucleus and top-k filtering of the target's distribution when sampling (1.0 and 0: off), as
             transformers' warpers apply them; output is sampled from exactly that filtered distribution.
         block_size: tokens per draft block, including the last committed token; defaults to `config.block_size`.
@@ -322,11 +360,13 @@ def spec_generate(
     check_sampling(temperature, top_p, top_k)
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
-    check_tree_request(target, tree_budget, block_size_schedule, input_ids.shape[1] + max_new_tokens + block_size)
+    final_length = input_ids.shape[1] + max_new_tokens + max(block_size, (tree_budget or 0) + 1)  # after the last verify
+    check_tree_request(target, tree_budget, block_size_schedule, final_length)
+    target_cache = target_cache_for(target, cache_implementation, past_key_values, final_length)
     ending, warpers = OutputEnd(set(stop_token_ids or []), max_new_tokens), sampling_warpers(temperature, top_k, top_p)
     embed, head = draft_embedding(self, target), draft_head(self, target.get_output_embeddings())
     cache_name = cache_kwarg(target)
-    target_cache, draft_cache = DynamicCache(), DynamicCache()
+    draft_cache = DynamicCache()
     input_ids = input_ids.to(target.device)
     prompt_len = input_ids.shape[1]
     if streamer is not None:
@@ -350,7 +390,8 @@ def spec_generate(
             else:  # a tree's shape is decided on the host from the draft's top choices
                 tree = propose(logits, tree_budget, warpers)
                 verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
-                positions, mask = tree.position_ids(start, input_ids.device), tree.attention_mask(start, target.dtype, input_ids.device)
+                positions = tree.position_ids(start, input_ids.device)
+                mask = tree.attention_mask(start, target.dtype, input_ids.device, static_length(target_cache))
             out = target(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
             chosen = pick_tokens(out.logits, warpers, generator)
             tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer

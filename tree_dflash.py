@@ -49,9 +49,12 @@ class DraftTree:
             seen[node] |= seen[parent]
         return seen
 
-    def attention_mask(self, cache_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive `[1, 1, n + 1, cache_len + n + 1]` mask over `[cache ; tree]`: all of the cache, ancestors only."""
-        visible = torch.cat([torch.ones(len(self.tokens) + 1, cache_len, dtype=torch.bool), self.ancestors()], dim=1)
+    def attention_mask(self, cache_len: int, dtype: torch.dtype, device, kv_len: int | None = None) -> torch.Tensor:
+        """Additive `[1, 1, n + 1, kv_len]` mask over `[cache ; tree ; unused slots]`: all of the cache, ancestors
+        only, none of the slots after the tree (a static cache's keys span its whole length)."""
+        n = len(self.tokens) + 1
+        unused = (kv_len or cache_len + n) - cache_len - n
+        visible = torch.cat([torch.ones(n, cache_len, dtype=torch.bool), self.ancestors(), torch.zeros(n, unused, dtype=torch.bool)], dim=1)
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[None, None].to(device)
 
@@ -95,7 +98,7 @@ def propose(logits: torch.Tensor, budget: int | None, warpers=None) -> DraftTree
 
 def compact_cache(cache: DynamicCache, first: int, path: list[int]) -> None:
     """Keeps, after the first `first` cached tokens, only the tree nodes on `path`, moved to consecutive slots."""
-    total = cache.get_seq_length()
+    total = int(cache.get_seq_length())  # a static cache counts in a tensor
     if path != list(range(len(path))):  # a chain prefix needs no gather
         keep = torch.tensor(path) + first
         for layer in cache.layers:

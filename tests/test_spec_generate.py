@@ -341,3 +341,57 @@ def test_output_multiplier_and_softcapping_shape_the_draft_logits_only():
     draft.config.draft_vocab = None
     out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, temperature=0.0, block_size=4)
     assert torch.equal(out, greedy_reference(target, ids, 12))
+
+
+STATIC_CROPPABLE = getattr(__import__("transformers").cache_utils.StaticLayer, "is_croppable", False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("tree_budget", [None, 8])
+def test_static_cache_is_exact_where_it_can_be_cropped(arch, tree_budget):
+    """transformers 5's static layers can be cropped, so a static target cache works (chain and tree); 4.57's cannot,
+    and the call says so before any compute."""
+    from transformers import StaticCache
+
+    target, draft = make_target(arch), make_draft()
+    ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
+    expected, caches = greedy_reference(target, ids, 20), []
+    target.register_forward_pre_hook(lambda m, a, kw: caches.append(kw.get("cache", kw.get("past_key_values"))), with_kwargs=True)
+    run = lambda **kw: draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=tree_budget, **kw)  # noqa: E731
+    if not STATIC_CROPPABLE:
+        with pytest.raises(ValueError, match="static one on transformers 5 or newer"):
+            run(cache_implementation="static")
+        assert not caches
+        return
+    assert torch.equal(run(cache_implementation="static"), expected)
+    assert caches and all(isinstance(c, StaticCache) for c in caches)
+    assert torch.equal(run(past_key_values=StaticCache(config=target.config, max_cache_len=64)), expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cache_implementation": "offloaded"}, "cache_implementation='offloaded' is not supported"),
+        ({"cache_implementation": "static", "past_key_values": "cache"}, "either cache_implementation or past_key_values"),
+        ({"past_key_values": "filled"}, "past_key_values must be empty"),
+        ({"past_key_values": "short"}, "the cache holds 8 tokens; this call may need"),
+    ],
+)
+def test_bad_cache_arguments_fail_before_compute(kwargs, message):
+    from transformers import DynamicCache, StaticCache
+
+    from generation_dflash import cache_kwarg
+
+    target = make_target("llama")
+    if kwargs.get("past_key_values") == "filled":
+        kwargs["past_key_values"] = DynamicCache()
+        target(torch.tensor([[5, 6]]), use_cache=True, **{cache_kwarg(target): kwargs["past_key_values"]})
+    elif kwargs.get("past_key_values") in ("short", "cache"):
+        if not STATIC_CROPPABLE and kwargs["past_key_values"] == "short":
+            message = "StaticCache cannot be cropped"  # transformers 4.x refuses it before its length is checked
+        kwargs["past_key_values"] = StaticCache(config=target.config, max_cache_len=8)
+    calls = []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=12, **kwargs)
+    assert not calls
