@@ -163,8 +163,8 @@ def check_assisted_call(target, draft, call: dict) -> None:
             "sequence under the causal mask and crops the cache to a prefix, so it cannot verify a tree; use "
             "draft.spec_generate(target=..., tree_budget=N)"
         )
-    if setting("cache_implementation") not in (None, "dynamic"):
-        raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic cache")
+    if setting("cache_implementation") not in (None, "dynamic", "static"):
+        raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic or static cache")
     cache = call.get("past_key_values", call.get("cache"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(

@@ -298,7 +298,7 @@ def test_sampling_matches_target_distribution(proposal):
     [
         ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences > 1 is not supported"),
         ({"num_beams": 2}, r"beam search \(num_beams > 1\) is not supported"),
-        ({"cache_implementation": "static"}, "cannot be cropped"),
+        ({"cache_implementation": "offloaded"}, "cannot be cropped"),
         ({"num_assistant_tokens_schedule": "heuristic_transient"}, "schedule 'heuristic_transient' is not supported"),
         ({"tree_budget": 8}, "cannot verify a tree; use draft.spec_generate"),
         ({"generation_config": GenerationConfig(tree_budget=8, max_new_tokens=4)}, "cannot verify a tree"),
@@ -311,6 +311,20 @@ def test_unsupported_options_are_refused(kwargs, message):
         run_generate(target, make_draft(), torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kwargs)
     assert not calls
     assert_target_untouched(target)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_static_cache_implementation_is_exact(k):
+    """transformers 5 runs the assisted loop on a `StaticCache` and crops it (4.57 uses a dynamic one instead)."""
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 20)
+    oracle = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 40), k)
+    caches = []
+    target.register_forward_pre_hook(lambda m, a, kw: caches.append(type(kw.get("cache", kw.get("past_key_values"))).__name__), with_kwargs=True)
+    assert torch.equal(run_generate(target, oracle, ids, max_new_tokens=20, cache_implementation="static"), expected)
+    assert len(oracle.calls) > 2
+    assert set(caches) == ({"StaticCache"} if int(transformers.__version__.split(".")[0]) >= 5 else {"DynamicCache"})
 
 
 def test_draft_config_tree_budget_warns_and_verifies_the_chain():
