@@ -350,12 +350,14 @@ def spec_generate(
             as transformers' `num_assistant_tokens_schedule` does.
         tree_budget: verify a draft tree of this many nodes (depth at most `block_size - 1`, built best-first from
             the one draft pass) instead of the argmax chain; 0 for the chain; defaults to `config.tree_budget`
-            (absent: the chain).
+            (absent, or with the heuristic schedule: the chain).
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
     block_size = block_size or self.config.block_size
-    tree_budget = (tree_budget if tree_budget is not None else self.config.tree_budget) or None
+    if tree_budget is None and block_size_schedule == "constant":  # the config's tree yields to an adaptive chain
+        tree_budget = self.config.tree_budget
+    tree_budget = tree_budget or None
     check_generation_inputs(input_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_p, top_k)
     check_schedule(block_size_schedule)

@@ -56,7 +56,8 @@ def main() -> None:
     same = "identical to plain greedy" if torch.equal(stats.output_ids, plain) else "differs from plain decoding"
     print(
         f"\nDFlash: {stats.num_output_tokens} tokens in {dflash_s:.2f} s = {dflash_tps:.1f} tok/s, "
-        f"mean acceptance length {stats.mean_acceptance_length:.2f} (block {args.block_size}, {args.block_size_schedule})"
+        f"mean acceptance length {stats.mean_acceptance_length:.2f} (block {args.block_size}, {args.block_size_schedule}"
+        f"{f', tree of {draft.config.tree_budget}' if draft.config.tree_budget and args.block_size_schedule == 'constant' else ''})"
         f"\nplain:  {plain_new} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s"
         f"\nspeedup {dflash_tps / plain_tps:.2f}x; output {same if args.temperature == 0 else 'sampled'}"
     )

@@ -203,6 +203,9 @@ def test_draft_config_sets_the_default_budget_and_zero_asks_for_the_chain():
         lengths.clear()
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, tree_budget=budget)
         assert torch.equal(out, expected) and set(lengths[1:]) == {verified}, (budget, lengths)
+    lengths.clear()  # the heuristic schedule adapts a chain, so the config's tree yields to it
+    out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, block_size_schedule="heuristic")
+    assert torch.equal(out, expected) and lengths[1] == 8, lengths  # a chain of the whole block first, not a 7-node tree
     draft.config.tree_budget = None
     assert "tree_budget" not in draft.config.dflash_config
 
