@@ -368,7 +368,7 @@ def spec_generate(
     ending, warpers = OutputEnd(set(stop_token_ids or []), max_new_tokens), sampling_warpers(temperature, top_k, top_p)
     embed, head = draft_embedding(self, target), draft_head(self, target.get_output_embeddings())
     cache_name = cache_kwarg(target)
-    draft_cache = DynamicCache()
+    draft_cache, kv_slots = DynamicCache(), static_length(target_cache)  # a tree mask spans a static cache's slots
     input_ids = input_ids.to(target.device)
     prompt_len = input_ids.shape[1]
     if streamer is not None:
@@ -393,7 +393,7 @@ def spec_generate(
                 tree = propose(logits, tree_budget, warpers)
                 verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
                 positions = tree.position_ids(start, input_ids.device)
-                mask = tree.attention_mask(start, target.dtype, input_ids.device, static_length(target_cache))
+                mask = tree.attention_mask(start, target.dtype, input_ids.device, kv_slots)
             out = target(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
             chosen = pick_tokens(out.logits, warpers, generator)
             tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
