@@ -116,16 +116,16 @@ def static_length(cache) -> int | None:
     return next(iter(lengths), None)
 
 
-def target_cache_for(target, cache_implementation: str | None, past_key_values, max_length: int):
-    """The target cache of one call: a new `DynamicCache`, a new `StaticCache` of `max_length` slots, or the caller's
-    empty cache, checked before any compute to be one whose every layer can be cropped."""
+def target_cache_for(target, cache_implementation: str | None, past_key_values, max_length: int, slots: int | None = None):
+    """The target cache of one call: a new `DynamicCache`, a new `StaticCache` of `slots` (default `max_length`)
+    slots, or the caller's empty cache, checked before any compute to be one whose every layer can be cropped."""
     if past_key_values is not None and cache_implementation is not None:
         raise ValueError("pass either cache_implementation or past_key_values, not both")
     if cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(f"cache_implementation={cache_implementation!r} is not supported; use 'dynamic' or 'static'")
     if past_key_values is None and cache_implementation != "static":
         return DynamicCache()
-    cache = past_key_values if past_key_values is not None else StaticCache(config=target.config, max_cache_len=max_length)
+    cache = past_key_values if past_key_values is not None else StaticCache(config=target.config, max_cache_len=slots or max_length)
     if int(cache.get_seq_length()) > 0:
         raise ValueError("past_key_values must be empty: the draft needs the target features of every prompt token")
     layers = getattr(cache, "layers", None) or []
@@ -137,6 +137,35 @@ def target_cache_for(target, cache_implementation: str | None, past_key_values, 
     if (static_length(cache) or max_length) < max_length:
         raise ValueError(f"the cache holds {static_length(cache)} tokens; this call may need {max_length}")
     return cache
+
+
+def check_compile_request(compile_verify: bool, cache_implementation: str | None, past_key_values, schedule: str) -> str | None:
+    """The cache implementation of the call: a compiled verify needs fixed shapes, so a static cache (the default
+    then) and a constant block."""
+    if not compile_verify:
+        return cache_implementation
+    if cache_implementation == "dynamic" or (past_key_values is not None and static_length(past_key_values) is None):
+        raise ValueError("compile_verify=True needs a static cache (fixed verify shapes); a dynamic cache grows every round")
+    if schedule != "constant":
+        raise ValueError(f"compile_verify=True needs block_size_schedule='constant'; {schedule!r} changes the verify shape every round")
+    return cache_implementation or (None if past_key_values is not None else "static")
+
+
+def compiled_cache_slots(length: int) -> int:
+    """Static cache slots for a compiled verify: a power of two, at least 1024, so calls of other lengths reuse the
+    same compiled graph rather than recompiling."""
+    return max(1024, 1 << (length - 1).bit_length())
+
+
+def verify_forward(target, compile_verify: bool) -> Callable:
+    """What runs the verify passes: the target, or its forward compiled once per target (`torch.compile`, as gpt-fast
+    compiles its decode step; the prefill stays eager, since its length changes with every prompt)."""
+    if not compile_verify:
+        return target
+    compiled = target.__dict__.get("_dflash_compiled_forward")
+    if compiled is None:
+        compiled = target.__dict__["_dflash_compiled_forward"] = torch.compile(target.forward, dynamic=False)
+    return compiled
 
 
 def check_tree_request(target, tree_budget: int | None, schedule: str, final_length: int) -> None:
@@ -327,6 +356,7 @@ def spec_generate(
     top_k: int = 0,
     cache_implementation: str | None = None,
     past_key_values=None,
+    compile_verify: bool = False,
 ):
     """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
     identical tokens at `temperature=0`, the same distribution above it.
@@ -340,6 +370,9 @@ def spec_generate(
         cache_implementation: the target's cache, `"dynamic"` (default) or `"static"` (preallocated for the prompt,
             `max_new_tokens` and one verify; needs transformers 5 or newer, whose static layers can be cropped).
         past_key_values: an empty cache object to use instead (any whose layers can be cropped).
+        compile_verify: run the verify passes through `torch.compile(target.forward)` (compiled on the first call and
+            kept for the target); needs a static cache, which it then uses by default (a power of two of at least 1024
+            slots, so other lengths reuse the graph), and the constant schedule.
         top_p, top_k: nucleus and top-k filtering of the target's distribution when sampling (1.0 and 0: off), as
             transformers' warpers apply them; output is sampled from exactly that filtered distribution.
         block_size: tokens per draft block, including the last committed token; defaults to `config.block_size`.
@@ -364,7 +397,10 @@ def spec_generate(
     check_draft_fits_target(self, target)
     final_length = input_ids.shape[1] + max_new_tokens + max(block_size, (tree_budget or 0) + 1)  # after the last verify
     check_tree_request(target, tree_budget, block_size_schedule, final_length)
-    target_cache = target_cache_for(target, cache_implementation, past_key_values, final_length)
+    cache_implementation = check_compile_request(compile_verify, cache_implementation, past_key_values, block_size_schedule)
+    slots = compiled_cache_slots(final_length) if compile_verify else final_length
+    target_cache = target_cache_for(target, cache_implementation, past_key_values, final_length, slots)
+    verify = verify_forward(target, compile_verify)
     ending, warpers = OutputEnd(set(stop_token_ids or []), max_new_tokens), sampling_warpers(temperature, top_k, top_p)
     embed, head = draft_embedding(self, target), draft_head(self, target.get_output_embeddings())
     cache_name = cache_kwarg(target)
@@ -394,7 +430,7 @@ def spec_generate(
                 verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
                 positions = tree.position_ids(start, input_ids.device)
                 mask = tree.attention_mask(start, target.dtype, input_ids.device, kv_slots)
-            out = target(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
+            out = verify(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
             chosen = pick_tokens(out.logits, warpers, generator)
             tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
             drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]

@@ -147,9 +147,10 @@ def plain(ctx: Context, block_size: int | None) -> Run:
     return hf_generate(ctx)
 
 
-def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constant", tree_budget: int | None = None) -> Run:
+def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constant", tree_budget: int | None = None, **options) -> Run:
     """Our hand-written loop, `draft.spec_generate` (its config's defaults unless told); it reports acceptance
-    lengths itself. `tree_budget`: 0 for the argmax chain, N for a draft tree of N nodes."""
+    lengths itself. `tree_budget`: 0 for the argmax chain, N for a draft tree of N nodes; `options` go to the call
+    (a static cache, a compiled verify)."""
     require_draft(ctx)
     generator = torch.Generator(device=ctx.device)  # sampling on an accelerator needs a generator there
 
@@ -159,7 +160,7 @@ def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constan
             out = ctx.draft.spec_generate(
                 target=ctx.target, input_ids=input_ids, max_new_tokens=max_new_tokens, stop_token_ids=ctx.stop_token_ids,
                 temperature=ctx.temperature, block_size=block_size, return_stats=True, generator=generator,
-                block_size_schedule=schedule, tree_budget=tree_budget,
+                block_size_schedule=schedule, tree_budget=tree_budget, **options,
             )
         return Generation(out.output_ids[0, input_ids.shape[1] :].tolist(), out.acceptance_lengths, tracer.first_end)
 
@@ -207,6 +208,8 @@ TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "spec-generate-heuristic": functools.partial(spec_generate, schedule="heuristic"),
     "spec-generate-chain": functools.partial(spec_generate, tree_budget=0),
     "spec-generate-tree": spec_generate,  # one method per --tree-budget, named spec-generate-tree<N>
+    "spec-generate-static": functools.partial(spec_generate, cache_implementation="static"),
+    "spec-generate-compiled": functools.partial(spec_generate, compile_verify=True),  # compiled in the warm-up
     "assisted": assisted,
     "assisted-sample": assisted_sample,
     "hf-dflash": hf_dflash,

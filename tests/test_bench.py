@@ -59,7 +59,7 @@ def bench_args(model_dirs, prompts_file, out, *extra) -> list[str]:
 def sweep_result(model_dirs, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     status = main(bench_args(model_dirs, prompts_file, out, "--sweep-block-size", "2,4", "--methods",
-                             "plain,spec-generate,spec-generate-tree,prompt-lookup,hf-dflash,assisted", "--tree-budget", "2,8",
+                             "plain,spec-generate,spec-generate-static,spec-generate-tree,prompt-lookup,hf-dflash,assisted", "--tree-budget", "2,8",
                              "--device", "cpu"))
     return status, out, json.loads((out / "results.json").read_text())
 
@@ -70,6 +70,7 @@ def test_end_to_end_lossless(sweep_result):
     rows = {(r["method"], r["block_size"]): r for r in result["summary"]}
     assert {("plain", None), ("spec-generate", 2), ("spec-generate", 4), ("prompt-lookup", 2)} <= set(rows)
     assert {("spec-generate-tree2", 4), ("spec-generate-tree8", 4)} <= set(rows)  # one method per --tree-budget
+    assert {("spec-generate-static", 2), ("spec-generate-static", 4)} <= set(rows)
     assert result["config"]["device"] == "cpu" and all(r["ttft_seconds"] > 0 for r in result["records"])
     assert all(r["mismatches"] == 0 for r in result["summary"])
     assert rows["plain", None]["speedup"] == pytest.approx(1.0)

@@ -114,6 +114,31 @@ def test_spec_generate_with_a_tree_equals_plain(models, prompts, block_size, bud
         hook.remove()
 
 
+STATIC_CROPPABLE = getattr(__import__("transformers").cache_utils.StaticLayer, "is_croppable", False)
+
+
+@pytest.mark.skipif(not STATIC_CROPPABLE, reason="static caches need transformers 5 (4.x refuses them, tested elsewhere)")
+@pytest.mark.parametrize("options", [{"cache_implementation": "static"}, {"compile_verify": True}], ids=["static", "compiled"])
+def test_spec_generate_with_a_static_cache_or_compiled_verify_equals_plain(models, prompts, options):
+    """The shipped config (its tree) with a static cache, and with the verify step compiled: the compiled forward
+    bypasses the module's call, so only the prefill reaches the eager target."""
+    target, tokenizer, draft = models
+    eager_calls = []
+    hook = target.register_forward_pre_hook(lambda *a: eager_calls.append(1))
+    try:
+        for name, ids in prompts.items():
+            expected = plain(target, tokenizer, ids)
+            eager_calls.clear()
+            with DraftCalls(draft) as calls:
+                stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id],
+                                            return_stats=True, **options)
+            assert torch.equal(stats.output_ids, expected), name
+            assert calls.count == len(stats.acceptance_lengths) > 1
+            assert len(eager_calls) == (1 if options.get("compile_verify") else 1 + calls.count)
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_assisted_generate_equals_plain(models, prompts, name):
     target, tokenizer, draft = models

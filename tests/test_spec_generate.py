@@ -395,3 +395,43 @@ def test_bad_cache_arguments_fail_before_compute(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=12, **kwargs)
     assert not calls
+
+
+@pytest.mark.skipif(not STATIC_CROPPABLE, reason="a compiled verify needs a static cache, which transformers 4.x cannot crop")
+def test_compiled_verify_is_exact_and_feeds_the_draft_the_same_features():
+    """`compile_verify=True` runs every verify pass through one compiled graph (static cache, constant block): greedy
+    output is identical at every acceptance length, and the draft sees the same target features as eager."""
+    target, ids = make_target("llama"), torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
+    reference = greedy_reference(target, ids, 20)
+    compiled = lambda draft: draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, compile_verify=True)  # noqa: E731
+    for k in range(4):
+        draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
+        assert torch.equal(compiled(draft), reference), k
+        assert all(length == k + 1 for length in draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, compile_verify=True, return_stats=True,
+        ).acceptance_lengths[:-1])
+    eager_calls = []  # the compiled forward bypasses the module's call, so only the eager prefill is seen here
+    hook = target.register_forward_pre_hook(lambda *a: eager_calls.append(1))
+    assert torch.equal(compiled(draft), reference) and len(eager_calls) == 1
+    hook.remove()
+    draft, seen = make_draft(), []
+    draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["context_hidden_states"].clone()), with_kwargs=True)
+    eager = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, cache_implementation="static")
+    eager_seen, seen[:] = list(seen), []
+    assert torch.equal(compiled(draft), eager) and torch.equal(eager, reference)
+    assert len(seen) == len(eager_seen) > 1 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(seen, eager_seen))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cache_implementation": "dynamic"}, "compile_verify=True needs a static cache"),
+        ({"block_size_schedule": "heuristic"}, "compile_verify=True needs block_size_schedule='constant'"),
+    ],
+)
+def test_compiled_verify_refuses_changing_shapes_before_compute(kwargs, message):
+    target, calls = make_target("llama"), []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=12, compile_verify=True, **kwargs)
+    assert not calls and "_dflash_compiled_forward" not in target.__dict__
