@@ -40,22 +40,27 @@ def prefilled(target, draft, context: int, new: int):
     return target_cache, draft_cache, committed[:, context - new :], ids[:, context:], (embed, head)
 
 
-def round_costs(target, draft, block: int, context: int, accepted: int, repeats: int) -> dict[str, float]:
-    """Milliseconds of one round's draft step (its layers on the `accepted + 1` features the last round committed,
-    with its cache, and its head) and verify pass with the crop; both caches return to their length after each."""
-    name = cache_kwarg(target)
-    target_cache, draft_cache, new, last, (embed, head) = prefilled(target, draft, context, accepted + 1)
-    verify_ids = torch.randint(100, 1000, (1, block))
-
-    def draft_step():
-        draft_logits(draft, embed, head, last, new, context, draft_cache, block).argmax(-1).tolist()
-        drop_last(draft_cache, new.shape[1])
+def verify_ms(target, target_cache, block: int, repeats: int) -> float:
+    """Milliseconds of a target pass over `block` new tokens and the crop back; one token is a plain decode step."""
+    name, verify_ids = cache_kwarg(target), torch.randint(100, 1000, (1, block))
 
     def verify_and_crop():
         target(input_ids=verify_ids, use_cache=True, **{name: target_cache}).logits.argmax(-1).tolist()
         drop_last(target_cache, block)
 
-    return {"draft": mean_ms(draft_step, repeats), "verify": mean_ms(verify_and_crop, repeats)}
+    return mean_ms(verify_and_crop, repeats)
+
+
+def round_costs(target, draft, block: int, context: int, accepted: int, repeats: int) -> dict[str, float]:
+    """Milliseconds of one round's draft step (its layers on the `accepted + 1` features the last round committed,
+    with its cache, and its head) and verify pass with the crop; both caches return to their length after each."""
+    target_cache, draft_cache, new, last, (embed, head) = prefilled(target, draft, context, accepted + 1)
+
+    def draft_step():
+        draft_logits(draft, embed, head, last, new, context, draft_cache, block).argmax(-1).tolist()
+        drop_last(draft_cache, new.shape[1])
+
+    return {"draft": mean_ms(draft_step, repeats), "verify": verify_ms(target, target_cache, block, repeats)}
 
 
 @torch.inference_mode()
@@ -69,7 +74,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, _ = load_default_target()
     draft = DFlashDraftModel.from_pretrained(ROOT).eval()
-    step = round_costs(target, draft, 1, args.context, 0, args.repeats)["verify"]  # a verify of one token is a decode step
+    step = verify_ms(target, prefilled(target, draft, args.context, 1)[0], 1, args.repeats)
     print(f"plain decode step: {step:.1f} ms (context {args.context})")
     for block in (4, 8, 16):
         costs = round_costs(target, draft, block, args.context, args.accepted, args.repeats)
