@@ -51,10 +51,10 @@ def method_table(backend: str, tree_budgets: list[int]) -> dict:
 
 
 def tree_budgets(args: argparse.Namespace) -> list[int]:
-    budgets = [int(b) for b in args.tree_budget.split(",")]
-    if any(b < 1 for b in budgets):
+    budgets = args.tree_budget.split(",")
+    if not all(b.isdigit() and int(b) >= 1 for b in budgets):
         raise SystemExit(f"--tree-budget takes positive node counts, got {args.tree_budget}")
-    return budgets
+    return [int(b) for b in budgets]
 
 
 def selected_methods(args: argparse.Namespace, factories: dict) -> list[str]:

@@ -188,3 +188,10 @@ def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path):
     rows = {r["method"]: r for r in result["summary"]}
     assert status == 0 and set(rows) == {"mlx-plain", "mlx-dflash"}, result["skipped"]
     assert rows["mlx-dflash"]["mismatches"] == 0 and rows["mlx-plain"]["mean_acceptance_length"] == 1.0
+
+
+@pytest.mark.parametrize("budgets", ["4,x", "0", "2.5"])
+def test_bad_tree_budget_is_a_one_line_error(model_dirs, prompts_file, tmp_path, budgets):
+    with pytest.raises(SystemExit, match="--tree-budget takes positive node counts"):
+        main(bench_args(model_dirs, prompts_file, tmp_path, "--methods", "spec-generate-tree", "--tree-budget", budgets))
+    assert not (tmp_path / "results.json").exists()
