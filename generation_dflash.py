@@ -168,9 +168,14 @@ def verify_forward(target, compile_verify: bool) -> Callable:
     return compiled
 
 
-def check_tree_request(target, tree_budget: int | None, schedule: str, final_length: int) -> None:
+def check_tree_request(draft, target, tree_budget: int | None, schedule: str, final_length: int) -> None:
     if tree_budget is None:  # the chain
         return
+    if draft.has_selector:
+        raise ValueError(
+            f"a draft tree (tree_budget={tree_budget}) is built from per-position distributions; a DFlash 2 draft's "
+            "selector chooses each token given the one before, so it verifies its chain (tree_budget=0)"
+        )
     if schedule != "constant":
         raise ValueError(f"block_size_schedule={schedule!r} adapts a chain; a tree (tree_budget={tree_budget}) needs 'constant'")
     check_tree_supported(target, tree_budget, final_length)
@@ -259,15 +264,32 @@ def draft_head(draft, lm_head) -> Callable[[torch.Tensor], torch.Tensor]:
     return head
 
 
-def draft_logits(draft, embed, head, last_token, context, start, cache, block_size) -> torch.Tensor:
-    """One draft pass: `[1, block_size - 1, vocab]` logits for the tokens after `last_token` (at position `start`).
-    `head` maps hidden states to logits (`draft_head`)."""
+def draft_step(draft, embed, head, last_token, context, start, cache, block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft pass: `[1, block_size - 1, vocab]` logits (`head` maps hidden states to logits, `draft_head`) and
+    the `[1, block_size - 1, hidden]` hidden states they came from, for the tokens after `last_token` (at `start`)."""
     block = torch.full((1, block_size), draft.config.mask_token_id, dtype=torch.long, device=last_token.device)
     block[:, :1] = last_token
     positions = torch.arange(start - context.shape[1], start + block_size, device=block.device)[None]
     hidden = draft(noise_embeds=embed(block), context_hidden_states=context, position_ids=positions, past_key_values=cache)
     drop_last(cache, block_size)  # the cache keeps committed context only; the block is re-drafted next round
-    return head(hidden.last_hidden_state[:, 1:])
+    hidden = hidden.last_hidden_state[:, 1:]
+    return head(hidden), hidden
+
+
+def choose_block(draft, logits, hidden, last_token, choose) -> torch.Tensor:
+    """The block's drafted tokens `[1, n]`, `choose(scores) -> [1]` picking each from its position's scores: the
+    draft's logits, or for a DFlash 2 draft its selector's scores given the token chosen before."""
+    if draft.has_selector:
+        return draft.candidate_selector.walk(logits, hidden, last_token, choose)[0]
+    return torch.stack([choose(logits[:, i]) for i in range(logits.shape[1])], dim=1)
+
+
+def chain_proposal(draft, logits, hidden, last_token, warpers, generator=None) -> torch.Tensor:
+    """The chain `spec_generate` verifies: the draft's argmax (any proposal is exact under the one-hot rule), or a
+    DFlash 2 selector's walk, greedy, or sampled from its warped scores when the call samples (as z-lab's reference)."""
+    if not draft.has_selector:
+        return logits.argmax(dim=-1)
+    return choose_block(draft, logits, hidden, last_token, lambda scores: pick_tokens(scores[:, None], warpers, generator)[:, 0])
 
 
 def next_block_size(block_size: int, accepted: int, max_block_size: int) -> int:
@@ -396,7 +418,7 @@ def spec_generate(
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
     final_length = input_ids.shape[1] + max_new_tokens + max(block_size, (tree_budget or 0) + 1)  # after the last verify
-    check_tree_request(target, tree_budget, block_size_schedule, final_length)
+    check_tree_request(self, target, tree_budget, block_size_schedule, final_length)
     cache_implementation = check_compile_request(compile_verify, cache_implementation, past_key_values, block_size_schedule)
     slots = compiled_cache_slots(final_length) if compile_verify else final_length
     target_cache = target_cache_for(target, cache_implementation, past_key_values, final_length, slots)
@@ -421,9 +443,9 @@ def spec_generate(
 
         block = block_size
         while not ending.done(new_tokens):
-            logits = draft_logits(self, embed, head, last, context, start, draft_cache, block)
+            logits, hidden = draft_step(self, embed, head, last, context, start, draft_cache, block)
             if tree_budget is None:  # the chain: drafted and chosen tokens come to the host together, once
-                verify_ids = torch.cat([last, logits.argmax(dim=-1)], dim=1)
+                verify_ids = torch.cat([last, chain_proposal(self, logits, hidden, last, warpers, generator)], dim=1)
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
                 tree = propose(logits, tree_budget, warpers)
@@ -503,23 +525,29 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.proposed = True
         new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
         context = self.features.pop(slice(0, new))
-        logits = draft_logits(self.draft, self.embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
-        logits = logits[:, :max_new].float()
+        logits, hidden = draft_step(self.draft, self.embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
+        logits, hidden = logits[:, :max_new].float(), hidden[:, :max_new]
         self.context_len = committed
         if self.proposal == "argmax":
-            return torch.cat([input_ids, logits.argmax(-1)], dim=1), None
-        return self._sample_candidates(input_ids, logits)
+            return torch.cat([input_ids, chain_proposal(self.draft, logits, hidden, input_ids[:, -1:], None)], dim=1), None
+        return self._sample_candidates(input_ids, logits, hidden)
 
-    def _sample_candidates(self, input_ids, logits) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Samples d_i ~ q_i one position at a time, so processors see the drafted prefix."""
-        candidates = input_ids
-        for i in range(logits.shape[1]):
+    def _sample_candidates(self, input_ids, logits, hidden) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Samples d_i ~ q_i one position at a time, so processors see the drafted prefix (and a DFlash 2 selector
+        the token drawn before); returns the processed scores q_i came from, for `_speculative_sampling`."""
+        candidates, scores = [input_ids], []
+
+        def choose(position_scores):
             if self.logits_processor:
-                logits[:, i] = self.logits_processor(candidates, logits[:, i])
-            probs = torch.softmax(logits[:, i], dim=-1)
+                position_scores = self.logits_processor(torch.cat(candidates, dim=1), position_scores)
+            probs = torch.softmax(position_scores, dim=-1)
             token = torch.multinomial(probs, 1) if self.do_sample else probs.argmax(-1, keepdim=True)
-            candidates = torch.cat([candidates, token], dim=1)
-        return candidates, logits
+            candidates.append(token)
+            scores.append(position_scores)
+            return token[:, 0]
+
+        choose_block(self.draft, logits, hidden, input_ids[:, -1:], choose)
+        return torch.cat(candidates, dim=1), torch.stack(scores, dim=1)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.schedule == "heuristic" and self.proposed:

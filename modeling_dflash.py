@@ -142,14 +142,19 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     """The DFlash draft. It has no embedding and no head: callers embed with the target's table and read logits
     through the target's `lm_head`. Decoding lives in `generation_dflash.py`; `spec_generate` is re-exported here."""
 
+    decoder_layer_class = DFlashDecoderLayer
+    has_selector = False
+
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
         num_features = len(config.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(num_features, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        if self.has_selector:
+            self.candidate_selector = CandidateSelector(config)
         self.post_init()
 
     def project_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -197,6 +202,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """Loads strictly: a missing, unexpected or mis-shaped tensor is an error, not a warning."""
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        check_architecture(cls, kwargs.get("config") or DFlashConfig.from_pretrained(path, **hub_kwargs(kwargs)))
         return_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         problems = {k: v for k, v in info.items() if k in _STRICT_KEYS and v}
@@ -209,7 +216,136 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     _dflash_assisted_generate = staticmethod(_assisted_generate)  # `target.generate(assistant_model=draft)` runs this copy
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# DFlash 2: a grouped dynamic causal convolution around each sublayer, and a candidate selector after the head.
+
+
+def hub_kwargs(kwargs: dict) -> dict:
+    """The `from_pretrained` arguments that also locate a config."""
+    names = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+    return {k: kwargs[k] for k in names if k in kwargs}
+
+
+def check_architecture(cls, config) -> None:
+    """A DFlash 2 checkpoint loaded as a v1 draft (or the reverse) is named, not reported as a pile of tensor names."""
+    architectures = set(getattr(config, "architectures", None) or [])
+    wanted = "DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"
+    if architectures & {"DFlashDraftModel", "DFlash2DraftModel"} and cls.__name__ != wanted:
+        raise ValueError(f"this checkpoint is a {wanted} (config.architectures); load it with modeling_dflash.{wanted}")
+
+
+def dflash2_setting(config, name: str) -> int:
+    value = config.dflash_field(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"a DFlash 2 draft needs a positive integer {name} (dflash_config or top level), got {value!r}")
+    return value
+
+
+class BlockConvolution(nn.Module):
+    """Grouped dynamic causal convolution along the block (context features are not convolved), wrapped around a
+    sublayer: `before` convolves the sublayer's normed input, `after` its output, each with
+    `w[i, t, c] = base_kernel[side, t, c] + dynamic[i, side, t, c // conv_group_size]` over taps `t` (tap 0 is the
+    position itself; taps before the block's first position read zeros). One projection of the normed input gives
+    the dynamic part of both."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.taps, self.group_size = dflash2_setting(config, "conv_kernel_size"), dflash2_setting(config, "conv_group_size")
+        if config.hidden_size % self.group_size:
+            raise ValueError(f"conv_group_size {self.group_size} must divide hidden_size {config.hidden_size}")
+        base = torch.zeros(2, self.taps, config.hidden_size)
+        base[:, 0] = 1.0  # an identity until trained
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(config.hidden_size, 2 * self.taps * (config.hidden_size // self.group_size), bias=False)
+
+    def before(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolved input and the kernels `after` will use, both `[batch, block, ...]`."""
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, -1).repeat_interleave(self.group_size, dim=-1)
+        kernels = self.base_kernel.to(x.dtype) + dynamic
+        return self.convolve(x, kernels[..., 0, :, :]), kernels[..., 1, :, :]
+
+    def after(self, x: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
+        return self.convolve(x, kernels)
+
+    @staticmethod
+    def convolve(x: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
+        """`out[i] = sum_t kernels[i, t] * x[i - t]`; `kernels`: `[batch, block, taps, hidden]`."""
+        out = kernels[:, :, 0] * x
+        for tap in range(1, min(kernels.shape[2], x.shape[1])):
+            out[:, tap:] += kernels[:, tap:, tap] * x[:, :-tap]
+        return out
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.attention_conv, self.mlp_conv = BlockConvolution(config), BlockConvolution(config)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None):
+        attn_in, kernels = self.attention_conv.before(self.input_layernorm(hidden_states))
+        attn_out = self.self_attn(attn_in, context, position_embeddings, attention_mask, cache)
+        hidden_states = hidden_states + self.attention_conv.after(attn_out, kernels)
+        mlp_in, kernels = self.mlp_conv.before(self.post_attention_layernorm(hidden_states))
+        return hidden_states + self.mlp_conv.after(self.mlp(mlp_in), kernels)
+
+
+class CandidateSelector(nn.Module):
+    """Picks the block's tokens among the head's `selector_top_k` best at each position, walking left to right from
+    the last committed token: candidate `c` after predecessor `p` scores
+    `logit[c] + sum_r predecessor_codebook[p, r] * (hidden_projection(h))[r] * successor_codebook[c, r]`.
+    The codebooks are plain parameters, stored without a `.weight` suffix as the published checkpoints store them."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        rank, self.top_k = dflash2_setting(config, "selector_rank"), dflash2_setting(config, "selector_top_k")
+        if self.top_k > config.vocab_size:
+            raise ValueError(f"selector_top_k {self.top_k} is larger than the vocabulary ({config.vocab_size} tokens)")
+        self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, rank) * config.initializer_range)
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))  # a no-op until trained
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def scores(self, logits: torch.Tensor, hidden: torch.Tensor, predecessor: torch.Tensor) -> torch.Tensor:
+        """`[batch, vocab]` scores at one position, -inf outside its top-k; `logits` `[batch, vocab]`, `hidden`
+        `[batch, hidden]`, `predecessor` `[batch]` token ids."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        context = self.predecessor_codebook[predecessor] * self.hidden_projection(hidden)
+        pair = torch.einsum("br,bkr->bk", context, self.successor_codebook[candidates]).to(unary.dtype)
+        return torch.full_like(logits, float("-inf")).scatter_(-1, candidates, unary + pair)
+
+    def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, choose=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's tokens `[batch, n]` and each position's scores `[batch, n, vocab]` given the chosen
+        predecessor. `logits` `[batch, n, vocab]`, `hidden` `[batch, n, hidden]`, `anchor` `[batch, 1]`;
+        `choose(scores) -> [batch]` picks a token from one position's scores (default: the best)."""
+        choose = choose or (lambda scores: scores.argmax(dim=-1))
+        tokens, all_scores, predecessor = [], [], anchor[:, 0]
+        for i in range(logits.shape[1]):
+            scores = self.scores(logits[:, i], hidden[:, i], predecessor)
+            predecessor = choose(scores)
+            tokens.append(predecessor)
+            all_scores.append(scores)
+        return torch.stack(tokens, dim=1), torch.stack(all_scores, dim=1)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """A DFlash 2 draft (`architectures: ["DFlash2DraftModel"]`): v1 layers with `attention_conv` and `mlp_conv`,
+    and a `candidate_selector` that chooses the block's tokens from the target head's top-k (greedy at temperature
+    0, sampled from its scores above it). Both decoding routes run it; draft trees need per-position distributions
+    and refuse it."""
+
+    _no_split_modules = ["DFlash2DecoderLayer"]
+    decoder_layer_class = DFlash2DecoderLayer
+    has_selector = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, BlockConvolution):  # the convolutions start as identities
+            nn.init.zeros_(module.kernel_projection.weight)
+            with torch.no_grad():
+                module.base_kernel.zero_()[:, 0] = 1.0
+
+
 DFlashConfig.register_for_auto_class("AutoConfig")
 DFlashDraftModel.register_for_auto_class("AutoModel")
+DFlash2DraftModel.register_for_auto_class("AutoModel")
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "DraftTree"]
+__all__ = ["DFlashDraftModel", "DFlash2DraftModel", "DFlashPreTrainedModel", "DFlashConfig", "DraftTree"]

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from default_target import load_default_target
-from generation_dflash import LayerFeatures, cache_kwarg, draft_embedding, draft_head, draft_logits, drop_last
+from generation_dflash import LayerFeatures, cache_kwarg, draft_embedding, draft_head, draft_step, drop_last
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def prefilled(target, draft, context: int, new: int):
         target(input_ids=ids[:, :context], use_cache=True, **{name: target_cache})
         committed = features.pop()
     embed, head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
-    draft_logits(draft, embed, head, ids[:, context - new : context - new + 1], committed[:, : context - new],
+    draft_step(draft, embed, head, ids[:, context - new : context - new + 1], committed[:, : context - new],
                  context - new, draft_cache, 2)
     return target_cache, draft_cache, committed[:, context - new :], ids[:, context:], (embed, head)
 
@@ -56,11 +56,11 @@ def round_costs(target, draft, block: int, context: int, accepted: int, repeats:
     with its cache, and its head) and verify pass with the crop; both caches return to their length after each."""
     target_cache, draft_cache, new, last, (embed, head) = prefilled(target, draft, context, accepted + 1)
 
-    def draft_step():
-        draft_logits(draft, embed, head, last, new, context, draft_cache, block).argmax(-1).tolist()
+    def timed_draft():
+        draft_step(draft, embed, head, last, new, context, draft_cache, block)[0].argmax(-1).tolist()
         drop_last(draft_cache, new.shape[1])
 
-    return {"draft": mean_ms(draft_step, repeats), "verify": verify_ms(target, target_cache, block, repeats)}
+    return {"draft": mean_ms(timed_draft, repeats), "verify": verify_ms(target, target_cache, block, repeats)}
 
 
 @torch.inference_mode()
