@@ -405,13 +405,13 @@ def spec_generate(
             as transformers' `num_assistant_tokens_schedule` does.
         tree_budget: verify a draft tree of this many nodes (depth at most `block_size - 1`, built best-first from
             the one draft pass) instead of the argmax chain; 0 for the chain; defaults to `config.tree_budget`
-            (absent, or with the heuristic schedule: the chain).
+            (absent, with the heuristic schedule, or for a DFlash 2 draft: the chain).
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
     block_size = block_size or self.config.block_size
-    if tree_budget is None and block_size_schedule == "constant":  # the config's tree yields to an adaptive chain
-        tree_budget = self.config.tree_budget
+    if tree_budget is None and block_size_schedule == "constant" and not self.has_selector:
+        tree_budget = self.config.tree_budget  # the config's tree yields to an adaptive chain and to a selector
     tree_budget = tree_budget or None
     check_generation_inputs(input_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_p, top_k)

@@ -139,6 +139,45 @@ def test_spec_generate_with_a_static_cache_or_compiled_verify_equals_plain(model
         hook.remove()
 
 
+@pytest.fixture(scope="module")
+def dflash2_draft(models):
+    """A DFlash 2 draft for the default target: the shipped draft's weights, convolutions and selector perturbed
+    from their identities (no DFlash 2 draft has been trained for SmolLM2)."""
+    from modeling_dflash import DFlash2DraftModel
+
+    _, _, draft = models
+    config = draft.config.__class__.from_dict(draft.config.to_dict())
+    config.dflash_config = {**config.dflash_config, "conv_kernel_size": 2, "conv_group_size": 64, "selector_rank": 16, "selector_top_k": 8}
+    torch.manual_seed(0)
+    dflash2 = DFlash2DraftModel(config).eval()
+    missing = dflash2.load_state_dict(draft.state_dict(), strict=False).missing_keys
+    assert missing and all("conv" in k or "selector" in k for k in missing)
+    with torch.no_grad():
+        for name, param in dflash2.named_parameters():
+            if "kernel_projection" in name or "codebook" in name or "hidden_projection" in name:
+                param.normal_(0, 0.01)
+    return dflash2
+
+
+@pytest.mark.parametrize("route", ["spec_generate", "generate"])
+def test_dflash2_draft_equals_plain(models, prompts, dflash2_draft, route):
+    target, tokenizer, _ = models
+    walks, original = [], dflash2_draft.candidate_selector.walk
+    dflash2_draft.candidate_selector.walk = lambda *a, **kw: walks.append(1) or original(*a, **kw)
+    try:
+        for name, ids in prompts.items():
+            expected = plain(target, tokenizer, ids)
+            walks.clear()
+            if route == "spec_generate":
+                out = dflash2_draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id])
+            else:
+                out = assisted(target, tokenizer, dflash2_draft, ids)
+            assert torch.equal(out, expected), f"{name}: {tokenizer.decode(out[0, ids.shape[1]:])!r}"
+            assert len(walks) >= 1, "the selector chose the drafted tokens"
+    finally:
+        del dflash2_draft.candidate_selector.walk
+
+
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_assisted_generate_equals_plain(models, prompts, name):
     target, tokenizer, draft = models
