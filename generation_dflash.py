@@ -22,6 +22,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
@@ -33,6 +34,10 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from tree_dflash import DraftTree, check_tree_supported, compact_cache, propose
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+try:  # transformers 5.24+: linear-attention (gated delta, ...) layers keep their states in the cache, per layer
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:
+    LinearAttentionCacheLayerMixin = None
 
 
 @dataclass
@@ -65,14 +70,77 @@ def decoder_layers(target) -> torch.nn.ModuleList:
     return layers
 
 
-def check_target_supported(target) -> None:
-    """Refuses targets whose cache cannot be cropped back to an accepted prefix (stateful or hybrid models)."""
+def is_hybrid(target) -> bool:
+    """Whether the target keeps a recurrent state (linear-attention layers, or a stateful model)."""
     layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or [])
-    if getattr(target, "_is_stateful", False) or layer_types - ATTENTION_LAYER_TYPES:
+    return bool(getattr(target, "_is_stateful", False) or layer_types - ATTENTION_LAYER_TYPES)
+
+
+def check_target_supported(target) -> None:
+    """Refuses targets whose cache can neither be cropped back to an accepted prefix nor rolled back by
+    `RollbackCache` (whose every layer must be an attention layer or a linear-attention one)."""
+    if not is_hybrid(target):
+        return
+    name = type(target).__name__
+    if LinearAttentionCacheLayerMixin is None:
         raise ValueError(
-            f"{type(target).__name__} keeps a recurrent state ({sorted(layer_types - ATTENTION_LAYER_TYPES) or 'stateful'})"
-            " that cannot be cropped after a rejected draft; DFlash in torch supports attention-only targets."
+            f"{name} keeps a recurrent state that cannot be cropped after a rejected draft; rolling it back needs "
+            f"transformers 5.24 or newer (its per-layer linear-attention caches); {transformers.__version__} is installed"
         )
+    others = sorted({type(layer).__name__ for layer in DynamicCache(config=target.config).layers
+                     if not isinstance(layer, (CacheLayerMixin, LinearAttentionCacheLayerMixin))})
+    if others:
+        raise ValueError(f"{name}'s cache layers {others} can neither be cropped nor rolled back after a rejected draft")
+
+
+class RollbackCache(DynamicCache):
+    """The cache of a hybrid target, whose linear-attention layers keep a recurrent state that no crop can rewind.
+
+    `save(verify_ids)` keeps those states before a verify pass; `crop(-n)` then restores them, crops the attention
+    layers to before the pass, and runs the target over the accepted tokens only, which advances every layer
+    exactly as plain decoding would (as `mlx_port` does). Both decoding routes use it; to transformers' assisted
+    loop it is a croppable cache.
+    """
+
+    def __init__(self, target):
+        super().__init__(config=target.config)
+        self.target, self.cache_name, self.pending, self.saved = target, cache_kwarg(target), None, []
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def activate_past_recording(self) -> None:
+        """A no-op: the states are saved whole before each verify, so they need no recorded past (which would make
+        the linear-attention conv states grow until a crop)."""
+
+    def recurrent_layers(self) -> list:
+        return [layer for layer in self.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def save(self, verify_ids: torch.Tensor) -> None:
+        """Before a verify pass over `verify_ids` (`[1, n]`, all new to the cache)."""
+        clone = lambda states: {i: s.clone() for i, s in states.items() if s is not None}  # noqa: E731
+        self.pending = verify_ids
+        self.saved = [(clone(layer.conv_states), clone(layer.recurrent_states)) for layer in self.recurrent_layers()]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        if tokens_to_remove > 0 or self.pending is None or -tokens_to_remove > self.pending.shape[1]:
+            raise RuntimeError(f"a hybrid target's cache rolls back only within its last verify pass (crop {tokens_to_remove})")
+        verified, kept = self.pending.shape[1], self.pending[:, : self.pending.shape[1] + tokens_to_remove]
+        for layer, (conv, recurrent) in zip(self.recurrent_layers(), self.saved):
+            for states, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
+                for i, state in saved.items():
+                    states[i].copy_(state)
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, DynamicLayer):
+                DynamicLayer.crop(layer, -verified)  # a layer holding both: its own crop would refuse
+            elif isinstance(layer, CacheLayerMixin):
+                layer.crop(-verified)
+        self.pending = None
+        if kept.shape[1]:
+            self.target(input_ids=kept, use_cache=True, logits_to_keep=1, **{self.cache_name: self})
 
 
 def check_draft_fits_target(draft, target) -> None:
@@ -123,6 +191,13 @@ def target_cache_for(target, cache_implementation: str | None, past_key_values, 
         raise ValueError("pass either cache_implementation or past_key_values, not both")
     if cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(f"cache_implementation={cache_implementation!r} is not supported; use 'dynamic' or 'static'")
+    if is_hybrid(target):
+        if past_key_values is not None or cache_implementation == "static":
+            raise ValueError(
+                f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
+                "leave cache_implementation and past_key_values unset (a static or passed cache is not supported)"
+            )
+        return RollbackCache(target)
     if past_key_values is None and cache_implementation != "static":
         return DynamicCache()
     cache = past_key_values if past_key_values is not None else StaticCache(config=target.config, max_cache_len=slots or max_length)
@@ -171,6 +246,11 @@ def verify_forward(target, compile_verify: bool) -> Callable:
 def check_tree_request(draft, target, tree_budget: int | None, schedule: str, final_length: int) -> None:
     if tree_budget is None:  # the chain
         return
+    if is_hybrid(target):
+        raise ValueError(
+            f"a draft tree (tree_budget={tree_budget}) needs an attention mask over the tree, which the recurrent layers "
+            f"of {type(target).__name__} cannot take; use the chain (tree_budget=0)"
+        )
     if draft.has_selector:
         raise ValueError(
             f"a draft tree (tree_budget={tree_budget}) is built from per-position distributions; a DFlash 2 draft's "
@@ -405,13 +485,13 @@ def spec_generate(
             as transformers' `num_assistant_tokens_schedule` does.
         tree_budget: verify a draft tree of this many nodes (depth at most `block_size - 1`, built best-first from
             the one draft pass) instead of the argmax chain; 0 for the chain; defaults to `config.tree_budget`
-            (absent, with the heuristic schedule, or for a DFlash 2 draft: the chain).
+            (absent, with the heuristic schedule, for a DFlash 2 draft or a hybrid target: the chain).
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
     block_size = block_size or self.config.block_size
-    if tree_budget is None and block_size_schedule == "constant" and not self.has_selector:
-        tree_budget = self.config.tree_budget  # the config's tree yields to an adaptive chain and to a selector
+    if tree_budget is None and block_size_schedule == "constant" and not (self.has_selector or is_hybrid(target)):
+        tree_budget = self.config.tree_budget  # the config's tree yields to an adaptive chain, a selector, a recurrent target
     tree_budget = tree_budget or None
     check_generation_inputs(input_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_p, top_k)
@@ -452,6 +532,8 @@ def spec_generate(
                 verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
                 positions = tree.position_ids(start, input_ids.device)
                 mask = tree.attention_mask(start, target.dtype, input_ids.device, kv_slots)
+            if isinstance(target_cache, RollbackCache):
+                target_cache.save(verify_ids)
             out = verify(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
             chosen = pick_tokens(out.logits, warpers, generator)
             tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
@@ -495,9 +577,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         proposal: `"argmax"` proposes the draft's argmax and returns no logits, so sampling is verified by the one-hot
             rule; `"sample"` samples each position from the draft and returns its logits for `_speculative_sampling`.
         block_size: defaults to `draft.config.block_size`.
+        rollback: the target's `RollbackCache` when it is hybrid: each round's candidates are saved there before the
+            target verifies them.
     """
 
-    def __init__(self, target, draft, generation_config, logits_processor=None, *, proposal="argmax", block_size=None):
+    def __init__(self, target, draft, generation_config, logits_processor=None, *, proposal="argmax", block_size=None, rollback=None):
         if proposal not in ("argmax", "sample"):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
         check_draft_fits_target(draft, target)
@@ -510,6 +594,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.cache, self.context_len, self.proposed = DynamicCache(), 0, False
         self.embed, self.head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
         self.features = LayerFeatures(target, draft.config.target_layer_ids)
+        self.rollback = rollback
 
     def close(self) -> None:
         self.features.close()
@@ -529,8 +614,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         logits, hidden = logits[:, :max_new].float(), hidden[:, :max_new]
         self.context_len = committed
         if self.proposal == "argmax":
-            return torch.cat([input_ids, chain_proposal(self.draft, logits, hidden, input_ids[:, -1:], None)], dim=1), None
-        return self._sample_candidates(input_ids, logits, hidden)
+            candidates, scores = torch.cat([input_ids, chain_proposal(self.draft, logits, hidden, input_ids[:, -1:], None)], dim=1), None
+        else:
+            candidates, scores = self._sample_candidates(input_ids, logits, hidden)
+        if self.rollback is not None:  # the target verifies the last committed token and the drafted ones
+            self.rollback.save(candidates[:, committed:])
+        return candidates, scores
 
     def _sample_candidates(self, input_ids, logits, hidden) -> tuple[torch.LongTensor, torch.Tensor]:
         """Samples d_i ~ q_i one position at a time, so processors see the drafted prefix (and a DFlash 2 selector

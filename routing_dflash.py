@@ -9,6 +9,7 @@ this module wraps three `GenerationMixin` methods once:
   in other threads, with or without a draft, are unaffected.
 """
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -20,9 +21,9 @@ from transformers import GenerationConfig, GenerationMixin, StoppingCriteria, St
 from transformers.generation.streamers import BaseStreamer
 
 try:
-    from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule, drop_last
+    from .generation_dflash import DFlashCandidateGenerator, RollbackCache, cache_kwarg, check_draft_fits_target, check_schedule, drop_last, is_hybrid
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule, drop_last
+    from generation_dflash import DFlashCandidateGenerator, RollbackCache, cache_kwarg, check_draft_fits_target, check_schedule, drop_last, is_hybrid
 
 ROUTED = ("generate", "_get_candidate_generator", "_get_stopping_criteria")
 # what each wrapped method must still take for the routing to work
@@ -83,9 +84,9 @@ class PromptStreamer(BaseStreamer):
 class DFlashCall:
     """One `target.generate` call with a DFlash assistant: builds its candidate generator and its stopping."""
 
-    def __init__(self, target, draft, prompt_len: int, streamer: BaseStreamer | None, *, block_size: int, builtin: bool):
+    def __init__(self, target, draft, prompt_len: int, streamer: BaseStreamer | None, *, block_size: int, builtin: bool, rollback=None):
         self.target, self.draft, self.prompt_len, self.streamer = target, draft, prompt_len, streamer
-        self.block_size, self.builtin = block_size, builtin
+        self.block_size, self.builtin, self.rollback = block_size, builtin, rollback
         self.generators: list[DFlashCandidateGenerator] = []
         self.stopping: TokenStopping | None = None
 
@@ -95,7 +96,7 @@ class DFlashCall:
         bound = bind(original, target, args, kwargs)
         proposal = getattr(self.draft, "dflash_proposal", "argmax")  # `draft.dflash_proposal = "sample"` to compare
         generator = DFlashCandidateGenerator(target, self.draft, bound["generation_config"], bound["logits_processor"],
-                                             proposal=proposal, block_size=self.block_size)
+                                             proposal=proposal, block_size=self.block_size, rollback=self.rollback)
         self.generators.append(generator)
         return generator
 
@@ -197,13 +198,16 @@ def assisted_generate(generate, target, call: dict):
     if (problem := routing_problem()) is not None:
         raise RuntimeError(problem + "; use draft.spec_generate(target=...) instead")
     prompt_len = prompt_ids(call).shape[1]
-    dflash = DFlashCall(target, draft, prompt_len, call.get("streamer"), block_size=requested_block_size(draft, call), builtin=builtin)
+    rollback = hybrid_cache(target, call, builtin)
+    dflash = DFlashCall(target, draft, prompt_len, call.get("streamer"), block_size=requested_block_size(draft, call), builtin=builtin,
+                        rollback=rollback)
     if dflash.streamer is not None:
         call["streamer"] = PromptStreamer(dflash.streamer)
     calls = active_calls()
     previous, calls.current = getattr(calls, "current", None), dflash
     try:
-        result = generate(target, **call)
+        with stateless(target, rollback is not None):
+            result = generate(target, **call)
     finally:
         calls.current = previous
         dflash.close()
@@ -211,6 +215,38 @@ def assisted_generate(generate, target, call: dict):
         raise RuntimeError(f"transformers {transformers.__version__} did not build the DFlash candidate generator and stopping")
     sequences = result if isinstance(result, torch.Tensor) else result.sequences
     return truncate_output(result, dflash.stopping.stop_length or sequences.shape[1], prompt_len)
+
+
+def hybrid_cache(target, call: dict, builtin: bool) -> RollbackCache | None:
+    """For a hybrid target, the `RollbackCache` this call runs on (put into the call); None otherwise."""
+    if not is_hybrid(target):
+        return None
+    if builtin:
+        raise ValueError(f"{type(target).__name__} keeps a recurrent state, which transformers' own DFlash generator cannot roll "
+                         "back; leave speculation_type unset to use this project's")
+    if call.get("past_key_values", call.get("cache")) is not None or call.get("cache_implementation") is not None:
+        raise ValueError(f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
+                         "leave cache_implementation and past_key_values unset")
+    call[cache_kwarg(target)] = rollback = RollbackCache(target)
+    return rollback
+
+
+@contextlib.contextmanager
+def stateless(target, active: bool):
+    """transformers refuses assisted decoding for stateful models, whose state it cannot roll back; with a
+    `RollbackCache` it can, so the flag is lifted for this call."""
+    own = "_is_stateful" in vars(target)
+    previous = vars(target).get("_is_stateful")
+    if active:
+        target._is_stateful = False
+    try:
+        yield
+    finally:
+        if active:
+            if own:
+                target._is_stateful = previous
+            else:
+                del target._is_stateful
 
 
 def truncate_output(result, length: int, prompt_len: int):

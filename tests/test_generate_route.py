@@ -349,13 +349,6 @@ def test_mismatched_draft_is_refused(change, message):
         run_generate(make_target("llama"), make_draft(**change), torch.tensor([[5, 6]]), max_new_tokens=4)
 
 
-def test_uncroppable_target_is_refused(monkeypatch):
-    target = make_target("llama")
-    monkeypatch.setattr(target, "_is_stateful", True)
-    with pytest.raises(ValueError, match="LlamaForCausalLM keeps a recurrent state"):
-        run_generate(target, make_draft(), torch.tensor([[5, 6]]), max_new_tokens=4)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Arguments as users pass them.
 

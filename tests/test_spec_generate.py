@@ -133,19 +133,6 @@ def test_bad_arguments_fail_before_compute(kwargs, message):
     assert not calls, "the target ran before the error"
 
 
-def test_hybrid_target_is_refused_by_name():
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    config = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, num_experts=2,
-        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-    )
-    target = Qwen3NextForCausalLM(config).eval()
-    with pytest.raises(ValueError, match="Qwen3NextForCausalLM keeps a recurrent state"):
-        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4)
-
-
 def test_streamer_gets_prompt_then_each_output_token_once():
     from test_generate_route import Recorder
 

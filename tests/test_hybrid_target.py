@@ -1,0 +1,178 @@
+"""Hybrid targets (gated-delta linear attention plus full attention, Qwen3.5 / Qwen3-Next style) in torch: the
+recurrent state is saved before each verify pass, restored after a rejection and advanced over the accepted tokens
+only (`generation_dflash.RollbackCache`); both routes are exact at every rejection length."""
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import generation_dflash
+from conftest import VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config
+from generation_dflash import RollbackCache
+
+ROLLS_BACK = generation_dflash.LinearAttentionCacheLayerMixin is not None
+needs_rollback = pytest.mark.skipif(not ROLLS_BACK, reason="transformers 4.x refuses hybrid targets (tested below)")
+
+
+def make_qwen3_next(seed: int = 0):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32, pad_token_id=0,
+    )
+    return finish(Qwen3NextForCausalLM(config))
+
+
+def make_qwen3_5(seed: int = 0):
+    """Gated-delta layers 0-2, full attention in layer 3 (as `tests/test_mlx_port.py`'s MLX target)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=512,
+        pad_token_id=0,
+    )
+    return finish(Qwen3_5ForCausalLM(config))
+
+
+def finish(model):
+    model.eval().generation_config.eos_token_id = None  # plain decoding runs to max_new_tokens
+    return model
+
+
+TARGETS = {"qwen3_5": make_qwen3_5, "qwen3_next": make_qwen3_next}
+
+
+def passes(target):
+    calls = []
+    return calls, target.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
+
+
+def run_generate(target, draft, ids, max_new_tokens):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=max_new_tokens,
+                           do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on its reference gated-delta kernels
+        yield
+
+
+@needs_rollback
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_spec_generate_rolls_back_after_every_rejection_length(arch, block_size):
+    """A draft right for exactly k tokens per block rejects B - 1 - k: output equals plain greedy decoding, each
+    round accepts k + 1, and each round with a rejection re-runs the target over exactly the k + 1 kept tokens."""
+    target = TARGETS[arch]()
+    ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
+    reference = greedy_reference(target, ids, 30 + block_size)
+    for k in range(block_size):
+        draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
+        calls, handle = passes(target)
+        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=block_size, return_stats=True)
+        handle.remove()
+        assert torch.equal(stats.output_ids, reference[:, :37]), f"{arch} k={k}"
+        assert stats.acceptance_lengths[:-1] == [k + 1] * (len(stats.acceptance_lengths) - 1), f"k={k}"
+        reruns = [n for n in calls[1:] if n != block_size]
+        assert len(reruns) == (0 if k == block_size - 1 else len(stats.acceptance_lengths)) and set(reruns) <= {k + 1}
+
+
+@needs_rollback
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_generate_route_rolls_back_after_every_rejection_length(arch):
+    target, block_size = TARGETS[arch](), 6
+    ids = torch.randint(3, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(1))
+    reference = greedy_reference(target, ids, 30)
+    for k in range(block_size):
+        draft = OracleDraft(make_draft_config(block_size=block_size)).eval().setup(target, reference, k)
+        assert torch.equal(run_generate(target, draft, ids, 30), reference), f"{arch} k={k}"
+        assert all(n == k + 1 for n, _ in draft.calls[1:-1]), draft.calls
+    assert "_is_stateful" not in vars(target) and type(target)._is_stateful  # the call lifted transformers' refusal only for itself
+
+
+@needs_rollback
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_random_draft_is_exact_through_both_routes(block_size):
+    target = make_qwen3_5(seed=block_size)
+    ids = torch.randint(3, VOCAB - 1, (1, 9), generator=torch.Generator().manual_seed(block_size))
+    expected = greedy_reference(target, ids, 2 * block_size + 5)
+    draft = make_draft(block_size=block_size)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2 * block_size + 5), expected)
+    assert torch.equal(run_generate(target, draft, ids, 2 * block_size + 5), expected)
+
+
+@needs_rollback
+def test_without_the_restore_output_diverges():
+    """The rollback is what makes it exact: a cache that forgets the saved states drifts from plain decoding
+    (as z-lab's reference does on transformers 5.24, whose crop rewinds the conv states but not the recurrent one)."""
+    target = make_qwen3_5(seed=2)
+    ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
+    reference = greedy_reference(target, ids, 30)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, 2)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=8), reference)
+    original = RollbackCache.save
+    try:
+        RollbackCache.save = lambda self, ids: (original(self, ids), setattr(self, "saved", [({}, {}) for _ in self.saved]))
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=8)
+    finally:
+        RollbackCache.save = original
+    assert not torch.equal(out, reference)
+
+
+@needs_rollback
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, tree_budget=4), "cannot take; use the chain"),
+        (lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, cache_implementation="static"),
+         "rolls back in a cache of its own"),
+        (lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, compile_verify=True), "rolls back in a cache of its own"),
+        (lambda d, t, ids: t.generate(ids, assistant_model=d, max_new_tokens=8, cache_implementation="static"), "rolls back in a cache of its own"),
+    ],
+)
+def test_what_a_recurrent_state_cannot_do_is_refused_before_compute(call, message):
+    target = make_qwen3_5()
+    calls, handle = passes(target)
+    with pytest.raises(ValueError, match=message):
+        call(make_draft(), target, torch.tensor([[5, 6, 7]]))
+    handle.remove()
+    assert not calls
+
+
+def test_the_shipped_config_tree_yields_to_a_hybrid_target():
+    if not ROLLS_BACK:
+        pytest.skip("transformers 4.x refuses hybrid targets (tested below)")
+    target, draft = make_qwen3_5(), make_draft()
+    draft.config.tree_budget = 4
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=10), greedy_reference(target, ids, 10))
+
+
+def test_a_transformers_without_per_layer_linear_attention_caches_is_named(monkeypatch):
+    monkeypatch.setattr(generation_dflash, "LinearAttentionCacheLayerMixin", None)
+    target = make_qwen3_next()
+    message = f"rolling it back needs transformers 5.24 or newer .* {transformers.__version__} is installed"
+    with pytest.raises(ValueError, match=message):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match=message):
+        run_generate(target, make_draft(), torch.tensor([[5, 6]]), 4)
+
+
+@needs_rollback
+def test_cache_layers_that_can_neither_crop_nor_roll_back_are_refused(monkeypatch):
+    class Opaque:
+        pass
+
+    monkeypatch.setattr(generation_dflash, "DynamicCache", lambda config=None: type("C", (), {"layers": [Opaque()]})())
+    with pytest.raises(ValueError, match=r"cache layers \['Opaque'\] can neither be cropped nor rolled back"):
+        make_draft().spec_generate(target=make_qwen3_5(), input_ids=torch.tensor([[5, 6]]), max_new_tokens=4)
