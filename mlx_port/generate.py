@@ -244,8 +244,10 @@ def dflash_generate_step(
         return sample(logits[0, -1:]), mx.concatenate(features, axis=1)
 
     def draft_block(last: int, context: mx.array) -> mx.array:
-        hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)
-        return mx.argmax(head(hidden[:, 1:]), axis=-1)[0]
+        hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)[:, 1:]
+        if draft.has_selector:  # DFlash 2: a walk over the head's top-k, with the call's sampler (greedy at 0)
+            return draft.candidate_selector.walk(head(hidden), hidden, mx.array([last]), sample)[0]
+        return mx.argmax(head(hidden), axis=-1)[0]
 
     def rewind(num_rejected: int, states: Optional[list], kept: mx.array) -> None:
         if num_rejected == 0:
@@ -358,6 +360,20 @@ def generate(model: nn.Module, draft: Model, tokenizer: Any, prompt: Union[str, 
 # Command line.
 
 
+QUANTIZED_BLOCK_SIZE = 4  # the MLX DFlash ports' measured advice for quantized models: blocks of about 4-5
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def default_block_size(model: nn.Module, draft: Model) -> int:
+    """The draft's block size, capped at `QUANTIZED_BLOCK_SIZE` when the target or the draft is quantized."""
+    if is_quantized(model) or is_quantized(draft):
+        return min(draft.args.block_size, QUANTIZED_BLOCK_SIZE)
+    return draft.args.block_size
+
+
 def configure_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Generate with an mlx-lm target and a DFlash draft.")
     parser.add_argument("--model", required=True, help="Target: local mlx-lm folder or Hugging Face Hub id.")
@@ -365,7 +381,14 @@ def configure_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", default="hello", help="Prompt text.")
     parser.add_argument("--max-tokens", type=int, default=256, help="Maximum number of tokens to generate.")
     parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 is greedy).")
-    parser.add_argument("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's).")
+    parser.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p (1.0: off).")
+    parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k (0: off).")
+    parser.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p (0.0: off).")
+    parser.add_argument(
+        "--block-size", type=int, default=None,
+        help=f"Tokens per draft block (default: the draft's; with a quantized target or draft at most "
+             f"{QUANTIZED_BLOCK_SIZE}, the MLX DFlash ports' advice from their measurements, which put the best block for quantized models at about 4-5).",
+    )
     parser.add_argument("--sliding-window-size", type=int, default=None, help="Bound on the draft's context cache.")
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--ignore-chat-template", action="store_true", help="Use the prompt as it is.")
@@ -388,7 +411,9 @@ def main() -> None:
     if tokenizer.has_chat_template and not args.ignore_chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     rounds = []
-    kwargs = dict(block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temp)
+    block_size = args.block_size or default_block_size(model, draft)
+    sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    kwargs = dict(block_size=block_size, max_tokens=args.max_tokens, sampler=sampler)
     for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         print(r.text, end="", flush=True)
         rounds.append(r.accepted + 1)
@@ -396,7 +421,7 @@ def main() -> None:
     print(f"\nDFlash: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec, prompt {r.prompt_tps:.3f} "
           f"tokens-per-sec, mean acceptance length {tau:.2f}, peak memory {r.peak_memory:.3f} GB")
     if args.compare:
-        for p in plain_stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=make_sampler(args.temp)):
+        for p in plain_stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler):
             pass
         print(f"mlx-lm: {p.generation_tokens} tokens, {p.generation_tps:.3f} tokens-per-sec; "
               f"DFlash speed-up {r.generation_tps / p.generation_tps:.2f}x")

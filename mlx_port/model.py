@@ -5,7 +5,7 @@ so a raw Hugging Face draft folder and a converted one load through the same `Mo
 """
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,11 @@ class ModelArgs(qwen3.ModelArgs):
     input_embedding_scale: Optional[float] = None  # these three may also sit in `dflash_config` (`dflash_field`)
     output_multiplier: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    architectures: Optional[list] = None
+    conv_kernel_size: Optional[int] = None  # DFlash 2; these four usually sit in `dflash_config`
+    conv_group_size: Optional[int] = None
+    selector_rank: Optional[int] = None
+    selector_top_k: Optional[int] = None
 
     def __post_init__(self):
         super().__post_init__()  # reads `rope_theta` from `rope_parameters` in transformers-5 configs
@@ -141,13 +146,16 @@ class Model(nn.Module):
     """The DFlash draft. It has no embedding and no head: callers embed with the target's table and read logits
     through the target's head. Decoding lives in `mlx_port.generate`."""
 
+    layer_class = DFlashDecoderLayer
+    has_selector = False
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
         self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DFlashDecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.sliding_window_size: Optional[int] = None  # set by `load_draft`; bounds the context cache
 
@@ -188,3 +196,96 @@ class Model(nn.Module):
     @property
     def target_layer_ids(self) -> list[int]:
         return self.args.target_layer_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DFlash 2: the torch `DFlash2DraftModel`'s convolutions and candidate selector, with the same names.
+
+
+def dflash2_setting(args: ModelArgs, name: str) -> int:
+    value = args.dflash_field(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"a DFlash 2 draft needs a positive integer {name} (dflash_config or top level), got {value!r}")
+    return value
+
+
+class BlockConvolution(nn.Module):
+    """Grouped dynamic causal convolution along the block, as the torch `BlockConvolution`: `before` convolves a
+    sublayer's normed input, `after` its output, with `base_kernel[side] + dynamic[side]` per group of channels."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.taps, self.group_size = dflash2_setting(args, "conv_kernel_size"), dflash2_setting(args, "conv_group_size")
+        if args.hidden_size % self.group_size:
+            raise ValueError(f"conv_group_size {self.group_size} must divide hidden_size {args.hidden_size}")
+        self.base_kernel = mx.zeros((2, self.taps, args.hidden_size))
+        self.kernel_projection = nn.Linear(args.hidden_size, 2 * self.taps * (args.hidden_size // self.group_size), bias=False)
+
+    def before(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        dynamic = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.taps, -1)
+        kernels = self.base_kernel.astype(x.dtype) + mx.repeat(dynamic, self.group_size, axis=-1)
+        return self.convolve(x, kernels[..., 0, :, :]), kernels[..., 1, :, :]
+
+    def after(self, x: mx.array, kernels: mx.array) -> mx.array:
+        return self.convolve(x, kernels)
+
+    @staticmethod
+    def convolve(x: mx.array, kernels: mx.array) -> mx.array:
+        """`out[i] = sum_t kernels[i, t] * x[i - t]`, zeros before the block; `kernels`: `[batch, block, taps, hidden]`."""
+        out = kernels[:, :, 0] * x
+        for tap in range(1, min(kernels.shape[2], x.shape[1])):
+            out = out + kernels[:, :, tap] * mx.pad(x[:, :-tap], [(0, 0), (tap, 0), (0, 0)])
+        return out
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__(args, layer_idx)
+        self.attention_conv, self.mlp_conv = BlockConvolution(args), BlockConvolution(args)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: Optional[Any] = None) -> mx.array:
+        attn_in, kernels = self.attention_conv.before(self.input_layernorm(x))
+        h = x + self.attention_conv.after(self.self_attn(attn_in, context, cache), kernels)
+        mlp_in, kernels = self.mlp_conv.before(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.after(self.mlp(mlp_in), kernels)
+
+
+class CandidateSelector(nn.Module):
+    """The torch `CandidateSelector`: the head's `selector_top_k` best per position, walked left to right from the
+    last committed token; candidate `c` after `p` scores `logit[c] + sum_r P[p, r] (H h)[r] S[c, r]`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        rank, self.top_k = dflash2_setting(args, "selector_rank"), dflash2_setting(args, "selector_top_k")
+        if self.top_k > args.vocab_size:
+            raise ValueError(f"selector_top_k {self.top_k} is larger than the vocabulary ({args.vocab_size} tokens)")
+        self.predecessor_codebook = mx.zeros((args.vocab_size, rank))
+        self.successor_codebook = mx.zeros((args.vocab_size, rank))
+        self.hidden_projection = nn.Linear(args.hidden_size, rank, bias=False)
+
+    def scores(self, logits: mx.array, hidden: mx.array, predecessor: mx.array) -> mx.array:
+        """`[batch, vocab]` scores at one position, -inf outside its top-k."""
+        candidates = mx.argpartition(-logits, self.top_k - 1, axis=-1)[..., : self.top_k]
+        unary = mx.take_along_axis(logits, candidates, axis=-1)
+        context = self.predecessor_codebook[predecessor] * self.hidden_projection(hidden)
+        pair = (context[:, None, :] * self.successor_codebook[candidates]).sum(axis=-1)
+        return mx.put_along_axis(mx.full(logits.shape, -mx.inf, dtype=logits.dtype), candidates, unary + pair.astype(logits.dtype), axis=-1)
+
+    def walk(self, logits: mx.array, hidden: mx.array, anchor: mx.array, choose: Callable[[mx.array], mx.array]) -> mx.array:
+        """The block's tokens `[batch, n]`, each chosen by `choose(scores) -> [batch]` given the one chosen before."""
+        tokens, predecessor = [], anchor
+        for i in range(logits.shape[1]):
+            predecessor = choose(self.scores(logits[:, i], hidden[:, i], predecessor))
+            tokens.append(predecessor)
+        return mx.stack(tokens, axis=1)
+
+
+class DFlash2Model(Model):
+    """A DFlash 2 draft (`architectures: ["DFlash2DraftModel"]`): v1 layers with convolutions, and a selector."""
+
+    layer_class = DFlash2DecoderLayer
+    has_selector = True
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.candidate_selector = CandidateSelector(args)

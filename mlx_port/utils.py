@@ -6,7 +6,7 @@ from typing import Optional
 from huggingface_hub import snapshot_download
 from mlx_lm.utils import load_model
 
-from .model import Model, ModelArgs
+from .model import DFlash2Model, Model, ModelArgs
 
 DRAFT_FILES = ["*.json", "model*.safetensors", "*.py"]
 
@@ -24,7 +24,7 @@ def draft_classes(config: dict) -> tuple[type, type]:
             f"not a DFlash draft config (model_type {config.get('model_type')!r}): "
             "`dflash_config.target_layer_ids` is missing"
         )
-    return Model, ModelArgs
+    return (DFlash2Model if "DFlash2DraftModel" in (config.get("architectures") or []) else Model), ModelArgs
 
 
 def load_draft_model(path: Path, lazy: bool = False) -> tuple[Model, dict]:

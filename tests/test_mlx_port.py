@@ -628,3 +628,102 @@ def test_chunked_prefill_matches_mlx_lm_greedy(target, draft, prompt_len, step):
     prompt = list(range(10, 10 + prompt_len))
     tokens, _ = run(target, draft, prompt, block_size=4, max_tokens=16, prefill_step_size=step)
     assert tokens == mlx_greedy(target, prompt, 16)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DFlash 2 drafts and the sampling flags.
+
+
+@pytest.fixture(scope="module")
+def dflash2_dir(work) -> Path:
+    from test_dflash2 import make_dflash2
+
+    make_dflash2().save_pretrained(work / "dflash2")
+    return work / "dflash2"
+
+
+def test_dflash2_converts_and_matches_torch(dflash2_dir, work):
+    """Converted and raw DFlash 2 folders load as `DFlash2Model` (strict, the published names); hidden states and
+    the selector's scores and walk match torch within 1e-4."""
+    from mlx_port.model import DFlash2Model
+    from modeling_dflash import DFlash2DraftModel
+
+    torch_draft = DFlash2DraftModel.from_pretrained(dflash2_dir).eval()
+    converted = load_draft(str(convert(str(dflash2_dir), str(work / "dflash2-mlx"))))
+    assert isinstance(converted, DFlash2Model) and isinstance(load_draft(str(dflash2_dir)), DFlash2Model)
+    assert {k for k, _ in tree_flatten(converted.parameters())} == set(torch_draft.state_dict())
+    for i, (expected, got) in enumerate(torch_and_mlx_hidden(torch_draft, converted, [(5, 4), (3, 4), (1, 8)])):
+        assert float(np.abs(expected - got).max()) < 1e-4, f"round {i}"
+    rng = np.random.default_rng(0)
+    logits, hidden = rng.standard_normal((1, 7, VOCAB)).astype(np.float32), rng.standard_normal((1, 7, 64)).astype(np.float32)
+    with torch.no_grad():
+        tokens, scores = torch_draft.candidate_selector.walk(torch.from_numpy(logits), torch.from_numpy(hidden), torch.tensor([[5]]))
+    mlx_scores = converted.candidate_selector.scores(mx.array(logits[:, 0]), mx.array(hidden[:, 0]), mx.array([5]))
+    finite = np.isfinite(scores[0, 0].numpy())
+    assert (finite == np.isfinite(np.array(mlx_scores[0]))).all() and finite.sum() == converted.candidate_selector.top_k
+    assert np.abs(scores[0, 0].numpy()[finite] - np.array(mlx_scores[0])[finite]).max() < 1e-4
+    walk = converted.candidate_selector.walk(mx.array(logits), mx.array(hidden), mx.array([5]), lambda s: mx.argmax(s, axis=-1))
+    assert np.array(walk).tolist() == tokens.tolist()
+
+
+def test_dflash2_greedy_equals_mlx_lm_and_torch(target_dir, target, dflash2_dir, work):
+    from transformers import AutoModelForCausalLM
+
+    from modeling_dflash import DFlash2DraftModel
+
+    draft = load_draft(str(dflash2_dir))
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    torch_draft = DFlash2DraftModel.from_pretrained(dflash2_dir).eval()
+    for block_size in (2, 4, 8, 16):
+        tokens, taus = run(target, draft, PROMPT, block_size=block_size, max_tokens=30)
+        stats = torch_draft.spec_generate(torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=block_size, return_stats=True)
+        assert tokens == mlx_greedy(target, PROMPT, 30) == stats.output_ids[0, 3:].tolist(), f"B={block_size}"
+        assert taus == stats.acceptance_lengths, f"B={block_size}"
+    quantized = load_draft(str(convert(str(dflash2_dir), str(work / "dflash2-q8"), quantize=True, q_bits=8, q_group_size=32)))
+    assert run(target, quantized, PROMPT, block_size=4, max_tokens=30)[0] == mlx_greedy(target, PROMPT, 30)
+
+
+def test_dflash2_forced_partial_acceptance_at_every_k(target, dflash2_dir):
+    """Right for exactly k tokens per block through the DFlash 2 layers and the selector's walk (its pair scores
+    live but below the oracle's margins): exact, and every round accepts k + 1."""
+    from mlx_port.model import DFlash2Model
+
+    reference = PROMPT + mlx_greedy(target, PROMPT, 32)
+    oracle_class = type("MlxOracleDFlash2", (MlxOracleDraft, DFlash2Model), {})
+    for k in range(8):
+        model = load_draft(str(dflash2_dir))
+        oracle_draft = oracle_class(model.args)
+        oracle_draft.update(model.parameters())
+        selector = oracle_draft.candidate_selector
+        selector.hidden_projection.weight = selector.hidden_projection.weight * 1e-3  # the oracle's hidden states are large
+        oracle_draft.setup(target, reference, k)
+        tokens, taus = run(target, oracle_draft, PROMPT, block_size=8, max_tokens=24)
+        assert tokens == reference[3:27] and taus[:-1] == [k + 1] * (len(taus) - 1), f"k={k}: {taus}"
+
+
+def test_dflash2_sampling_matches_target_distribution(work, dflash2_dir):
+    """The selector's walk samples with the call's sampler; the one-hot rule keeps the target's distribution
+    (chi-square, fails at p < 1e-4)."""
+    model = load_model(save_torch_target(work / "peaky2", initializer_range=0.5))[0]
+    draft = load_draft(str(dflash2_dir))
+    n, temperature = 800, 1.0
+    exact = exact_two_token_distribution(model, PROMPT, temperature).ravel()
+    tokenizer, counts = wrap(), np.zeros(VOCAB * VOCAB)
+    mx.random.seed(0)
+    for _ in range(n):
+        responses = list(stream_generate(model, draft, tokenizer, PROMPT, max_tokens=2, temperature=temperature, block_size=4))
+        t1, t2 = [t for r in responses for t in r.tokens]
+        counts[t1 * VOCAB + t2] += 1
+    p_value, chi2, dof = chi_square_p_value(torch.from_numpy(counts), torch.from_numpy(np.asarray(exact, dtype=np.float64)))
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_cli_sampling_flags_and_quantized_block_default(target, draft, work, draft_dir):
+    from mlx_port.generate import QUANTIZED_BLOCK_SIZE, configure_parser, default_block_size
+
+    args = configure_parser().parse_args(["--model", "t", "--draft-model", "d", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05"])
+    assert (args.top_p, args.top_k, args.min_p) == (0.9, 20, 0.05)
+    assert "4-5" in configure_parser().format_help().replace("\n", " ").replace("  ", " ")
+    assert default_block_size(target, draft) == draft.args.block_size == 8
+    quantized = load_draft(str(convert(str(draft_dir), str(work / "q-default"), quantize=True, q_bits=8, q_group_size=32)))
+    assert default_block_size(target, quantized) == QUANTIZED_BLOCK_SIZE == 4
