@@ -40,6 +40,23 @@ def check_fits_target(config, *, num_layers: int, hidden_size: int, vocab_size: 
         raise ValueError(f"dflash_config.draft_vocab must hold token ids in [0, {vocab_size}), got {len(vocab)} ids")
 
 
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def dflash2_settings(config) -> dict[str, int]:
+    """A DFlash 2 draft's convolution and selector settings, read by `config.dflash_field` (torch and MLX) and
+    checked before any weight is built."""
+    values = {name: config.dflash_field(name) for name in DFLASH2_FIELDS}
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"a DFlash 2 draft needs a positive integer {name} (dflash_config or top level), got {value!r}")
+    if config.hidden_size % values["conv_group_size"]:
+        raise ValueError(f"conv_group_size {values['conv_group_size']} must divide hidden_size {config.hidden_size}")
+    if values["selector_top_k"] > config.vocab_size:
+        raise ValueError(f"selector_top_k {values['selector_top_k']} is larger than the vocabulary ({config.vocab_size} tokens)")
+    return values
+
+
 class DFlashConfig(Qwen3Config):
     """A `Qwen3Config` with the DFlash fields, stored as the published z-lab checkpoints store them.
 
@@ -134,4 +151,4 @@ class DFlashConfig(Qwen3Config):
         return out
 
 
-__all__ = ["DFlashConfig", "build_target_layer_ids", "check_fits_target", "first_stop"]
+__all__ = ["DFlashConfig", "build_target_layer_ids", "check_fits_target", "dflash2_settings", "first_stop"]

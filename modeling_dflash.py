@@ -17,13 +17,13 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 try:
-    from .configuration_dflash import DFlashConfig
+    from .configuration_dflash import DFlashConfig, dflash2_settings
     from .generation_dflash import refuse_generate as _refuse_generate
     from .generation_dflash import spec_generate as _spec_generate
     from .routing_dflash import assisted_generate as _assisted_generate
     from .tree_dflash import DraftTree  # imported here too: transformers 4.x copies a local repo's direct imports only
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from configuration_dflash import DFlashConfig
+    from configuration_dflash import DFlashConfig, dflash2_settings
     from generation_dflash import refuse_generate as _refuse_generate
     from generation_dflash import spec_generate as _spec_generate
     from routing_dflash import assisted_generate as _assisted_generate
@@ -234,13 +234,6 @@ def check_architecture(cls, config) -> None:
         raise ValueError(f"this checkpoint is a {wanted} (config.architectures); load it with modeling_dflash.{wanted}")
 
 
-def dflash2_setting(config, name: str) -> int:
-    value = config.dflash_field(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"a DFlash 2 draft needs a positive integer {name} (dflash_config or top level), got {value!r}")
-    return value
-
-
 class BlockConvolution(nn.Module):
     """Grouped dynamic causal convolution along the block (context features are not convolved), wrapped around a
     sublayer: `before` convolves the sublayer's normed input, `after` its output, each with
@@ -250,9 +243,8 @@ class BlockConvolution(nn.Module):
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.taps, self.group_size = dflash2_setting(config, "conv_kernel_size"), dflash2_setting(config, "conv_group_size")
-        if config.hidden_size % self.group_size:
-            raise ValueError(f"conv_group_size {self.group_size} must divide hidden_size {config.hidden_size}")
+        settings = dflash2_settings(config)
+        self.taps, self.group_size = settings["conv_kernel_size"], settings["conv_group_size"]
         base = torch.zeros(2, self.taps, config.hidden_size)
         base[:, 0] = 1.0  # an identity until trained
         self.base_kernel = nn.Parameter(base)
@@ -297,9 +289,8 @@ class CandidateSelector(nn.Module):
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        rank, self.top_k = dflash2_setting(config, "selector_rank"), dflash2_setting(config, "selector_top_k")
-        if self.top_k > config.vocab_size:
-            raise ValueError(f"selector_top_k {self.top_k} is larger than the vocabulary ({config.vocab_size} tokens)")
+        settings = dflash2_settings(config)
+        rank, self.top_k = settings["selector_rank"], settings["selector_top_k"]
         self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, rank) * config.initializer_range)
         self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))  # a no-op until trained
         self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)

@@ -14,6 +14,8 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from configuration_dflash import dflash2_settings
+
 
 @dataclass
 class ModelArgs(qwen3.ModelArgs):
@@ -202,22 +204,14 @@ class Model(nn.Module):
 # DFlash 2: the torch `DFlash2DraftModel`'s convolutions and candidate selector, with the same names.
 
 
-def dflash2_setting(args: ModelArgs, name: str) -> int:
-    value = args.dflash_field(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"a DFlash 2 draft needs a positive integer {name} (dflash_config or top level), got {value!r}")
-    return value
-
-
 class BlockConvolution(nn.Module):
     """Grouped dynamic causal convolution along the block, as the torch `BlockConvolution`: `before` convolves a
     sublayer's normed input, `after` its output, with `base_kernel[side] + dynamic[side]` per group of channels."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.taps, self.group_size = dflash2_setting(args, "conv_kernel_size"), dflash2_setting(args, "conv_group_size")
-        if args.hidden_size % self.group_size:
-            raise ValueError(f"conv_group_size {self.group_size} must divide hidden_size {args.hidden_size}")
+        settings = dflash2_settings(args)
+        self.taps, self.group_size = settings["conv_kernel_size"], settings["conv_group_size"]
         self.base_kernel = mx.zeros((2, self.taps, args.hidden_size))
         self.kernel_projection = nn.Linear(args.hidden_size, 2 * self.taps * (args.hidden_size // self.group_size), bias=False)
 
@@ -256,9 +250,8 @@ class CandidateSelector(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rank, self.top_k = dflash2_setting(args, "selector_rank"), dflash2_setting(args, "selector_top_k")
-        if self.top_k > args.vocab_size:
-            raise ValueError(f"selector_top_k {self.top_k} is larger than the vocabulary ({args.vocab_size} tokens)")
+        settings = dflash2_settings(args)
+        rank, self.top_k = settings["selector_rank"], settings["selector_top_k"]
         self.predecessor_codebook = mx.zeros((args.vocab_size, rank))
         self.successor_codebook = mx.zeros((args.vocab_size, rank))
         self.hidden_projection = nn.Linear(args.hidden_size, rank, bias=False)

@@ -159,6 +159,19 @@ def exact_two_token_distribution(target, ids, processors) -> torch.Tensor:
     return exact_joint_distribution(target, ids, processors, 2).flatten()
 
 
+def sample_two_tokens(draft, target, ids, n: int, temperature: float, block_size: int = 4) -> tuple[torch.Tensor, int]:
+    """Counts of the first two tokens `spec_generate` samples in `n` runs, as a flat `[V * V]` table, and how many
+    runs kept a drafted token in their first round."""
+    g, counts, accepted = torch.Generator().manual_seed(0), torch.zeros(VOCAB * VOCAB), 0
+    for _ in range(n):
+        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=temperature,
+                                    block_size=block_size, return_stats=True, generator=g)
+        t1, t2 = stats.output_ids[0, ids.shape[1]:].tolist()
+        counts[t1 * VOCAB + t2] += 1
+        accepted += stats.acceptance_lengths[0] > 1
+    return counts, accepted
+
+
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
     """Goodness of fit of `counts` to `probs`; cells expecting fewer than 5 are pooled. Returns (p, chi2, dof)."""
     n = counts.sum()

@@ -18,6 +18,7 @@ from conftest import (
     greedy_reference,
     make_draft_config,
     make_target,
+    sample_two_tokens,
 )
 from modeling_dflash import BlockConvolution, CandidateSelector, DFlash2DraftModel, DFlashDraftModel
 from test_modeling_dflash import ZLAB_CONFIG, zlab_weights
@@ -276,13 +277,7 @@ def test_spec_generate_sampling_matches_the_target_distribution():
     ids, temperature, n = torch.tensor([[5, 6, 7]]), 1.0, 2000
     exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
     draft = oracle_dflash2(target, greedy_reference(target, ids, 8), 7, scale=3.0)
-    g, counts, accepted = torch.Generator().manual_seed(0), torch.zeros(VOCAB * VOCAB), 0
-    for _ in range(n):
-        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=temperature, block_size=4,
-                                    return_stats=True, generator=g)
-        t1, t2 = stats.output_ids[0, 3:].tolist()
-        counts[t1 * VOCAB + t2] += 1
-        accepted += stats.acceptance_lengths[0] > 1
+    counts, accepted = sample_two_tokens(draft, target, ids, n, temperature)
     assert accepted > n // 10, "the test needs drafted tokens to be accepted"
     p_value, chi2, dof = chi_square_p_value(counts, exact)
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"

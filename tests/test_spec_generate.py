@@ -11,6 +11,7 @@ from conftest import (
     VOCAB,
     OracleDraft,
     chi_square_p_value,
+    sample_two_tokens,
     exact_two_token_distribution,
     greedy_reference,
     make_draft,
@@ -95,14 +96,7 @@ def test_sampling_matches_target_distribution():
     ids, temperature, n = torch.tensor([[5, 6, 7]]), 1.0, 2000
     exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
     draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7)
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(VOCAB * VOCAB)
-    accepted = 0
-    for _ in range(n):
-        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=temperature, block_size=4, return_stats=True, generator=g)
-        t1, t2 = stats.output_ids[0, 3:].tolist()
-        counts[t1 * VOCAB + t2] += 1
-        accepted += stats.acceptance_lengths[0] > 1
+    counts, accepted = sample_two_tokens(draft, target, ids, n, temperature)
     assert accepted > n // 5, "the test needs drafted tokens to be accepted"
     p_value, chi2, dof = chi_square_p_value(counts, exact)
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
