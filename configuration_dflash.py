@@ -1,6 +1,8 @@
 """Configuration of a DFlash block-diffusion draft: a Qwen3 config plus the DFlash fields."""
 
 import dataclasses
+import json
+import re
 
 from transformers import Qwen3Config
 
@@ -142,6 +144,13 @@ class DFlashConfig(Qwen3Config):
     @mask_token_id.setter
     def mask_token_id(self, value: int) -> None:
         self.dflash_config = {**self.dflash_config, "mask_token_id": value}
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """transformers' JSON, with `draft_vocab` (thousands of ids) on one line rather than one id per line."""
+        text = super().to_json_string(use_diff)
+        if self.draft_vocab is None:
+            return text
+        return re.sub(r'"draft_vocab": \[[^\]]*\]', lambda _: f'"draft_vocab": {json.dumps(self.draft_vocab)}', text, count=1)
 
     def to_dict(self) -> dict:
         out = super().to_dict()

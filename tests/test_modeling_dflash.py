@@ -198,6 +198,7 @@ def test_draft_vocab_is_saved_where_engines_ignore_it(tmp_path, draft):
     assert type(engine).__name__ == "Qwen3Config" and engine.dflash_config["target_layer_ids"] == [0, 2]
     assert set(load_file(tmp_path / "model.safetensors")) == set(zlab_weights({**ZLAB_CONFIG, "num_hidden_layers": 2}))
     assert DFlashConfig.from_pretrained(tmp_path).draft_vocab == [3, 9, 40]
+    assert '"draft_vocab": [3, 9, 40]' in (tmp_path / "config.json").read_text()  # one line, not one id per line
 
 
 def test_remote_code_round_trip_in_fresh_process(tmp_path, draft):
