@@ -327,6 +327,31 @@ def test_static_cache_implementation_is_exact(k):
     assert set(caches) == ({"StaticCache"} if int(transformers.__version__.split(".")[0]) >= 5 else {"DynamicCache"})
 
 
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="4.57's assisted loop uses a dynamic cache, which it does not compile")
+def test_static_cache_with_compile_config_compiles_the_verify_and_stays_exact():
+    """transformers 5 compiles the assisted loop's target call when the cache is static (by default on GPUs; here
+    `compile_config` asks for it on the CPU): exact at two acceptance lengths, and a random draft gets the same
+    target features as with the eager static loop."""
+    from transformers import CompileConfig
+
+    target = make_target("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 20)
+    compile_config = CompileConfig(fullgraph=False, dynamic=False)
+    compile_config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    run = lambda draft, **kw: run_generate(target, draft, ids, max_new_tokens=20, cache_implementation="static", **kw)  # noqa: E731
+    for k in (1, 3):
+        oracle = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 40), k)
+        assert torch.equal(run(oracle, compile_config=compile_config), expected) and len(oracle.calls) > 2
+    assert getattr(target, "_compiled_call", None) is not None  # the verify passes ran through transformers' compiled call
+    draft, seen = make_draft(), []
+    draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["context_hidden_states"].clone()), with_kwargs=True)
+    assert torch.equal(run(draft), expected)
+    eager, seen[:] = list(seen), []
+    assert torch.equal(run(draft, compile_config=compile_config), expected)
+    assert len(seen) == len(eager) > 2 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(seen, eager))
+
+
 def test_draft_config_tree_budget_warns_and_verifies_the_chain():
     target = make_target("llama")
     ids = torch.tensor([[5, 6, 7]])
