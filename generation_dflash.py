@@ -243,6 +243,13 @@ def verify_forward(target, compile_verify: bool) -> Callable:
     return compiled
 
 
+def default_tree_budget(draft, target, schedule: str) -> int | None:
+    """The config's `tree_budget`, which yields to an adaptive chain, a DFlash 2 selector and a recurrent target."""
+    if schedule != "constant" or draft.has_selector or is_hybrid(target):
+        return None
+    return draft.config.tree_budget
+
+
 def check_tree_request(draft, target, tree_budget: int | None, schedule: str, final_length: int) -> None:
     if tree_budget is None:  # the chain
         return
@@ -490,9 +497,7 @@ def spec_generate(
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
     block_size = block_size or self.config.block_size
-    if tree_budget is None and block_size_schedule == "constant" and not (self.has_selector or is_hybrid(target)):
-        tree_budget = self.config.tree_budget  # the config's tree yields to an adaptive chain, a selector, a recurrent target
-    tree_budget = tree_budget or None
+    tree_budget = (default_tree_budget(self, target, block_size_schedule) if tree_budget is None else tree_budget) or None
     check_generation_inputs(input_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_p, top_k)
     check_schedule(block_size_schedule)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModel, TextStreamer
 
 from default_target import load_default_target
+from generation_dflash import default_tree_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +40,7 @@ def main() -> None:
     target, tokenizer = load_default_target()
     draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True).eval()
     args.block_size = args.block_size or draft.config.block_size
+    tree_budget = default_tree_budget(draft, target, args.block_size_schedule)
     messages = [{"role": "user", "content": args.prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], temperature=args.temperature)
@@ -57,7 +59,7 @@ def main() -> None:
     print(
         f"\nDFlash: {stats.num_output_tokens} tokens in {dflash_s:.2f} s = {dflash_tps:.1f} tok/s, "
         f"mean acceptance length {stats.mean_acceptance_length:.2f} (block {args.block_size}, {args.block_size_schedule}"
-        f"{f', tree of {draft.config.tree_budget}' if draft.config.tree_budget and args.block_size_schedule == 'constant' else ''})"
+        f"{f', tree of {tree_budget}' if tree_budget else ''})"
         f"\nplain:  {plain_new} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s"
         f"\nspeedup {dflash_tps / plain_tps:.2f}x; output {same if args.temperature == 0 else 'sampled'}"
     )
