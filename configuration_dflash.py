@@ -33,13 +33,24 @@ def check_fits_target(config, *, num_layers: int, hidden_size: int, vocab_size: 
     # the last layer's entry in `hidden_states` is after the final norm, so it is not a layer output
     if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_layers - 1:
         raise ValueError(
-            f"target_layer_ids {ids} must be sorted, unique and in [0, {num_layers - 1}) for a {num_layers}-layer target"
+            f"target_layer_ids {ids} must be sorted, unique and in [0, {num_layers - 1}) "
+            f"for a {num_layers}-layer target"
         )
     if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab_size:
         raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocab of {vocab_size}")
     vocab = (config.dflash_config or {}).get("draft_vocab")  # MLX args and torch configs both keep it here
     if vocab is not None and (not vocab or min(vocab) < 0 or max(vocab) >= vocab_size):
         raise ValueError(f"dflash_config.draft_vocab must hold token ids in [0, {vocab_size}), got {len(vocab)} ids")
+
+
+def check_draft_config(config: dict) -> None:
+    """Refuses in one line a `config.json` that is not a DFlash draft's (a target folder given as the draft, say),
+    before any weight loads; torch and MLX alike."""
+    if not (config.get("dflash_config") or {}).get("target_layer_ids"):
+        raise ValueError(
+            f"not a DFlash draft config (model_type {config.get('model_type')!r}): "
+            "`dflash_config.target_layer_ids` is missing"
+        )
 
 
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -51,11 +62,15 @@ def dflash2_settings(config) -> dict[str, int]:
     values = {name: config.dflash_field(name) for name in DFLASH2_FIELDS}
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"a DFlash 2 draft needs a positive integer {name} (dflash_config or top level), got {value!r}")
+            raise ValueError(
+                f"a DFlash 2 draft needs a positive integer {name} (dflash_config or top level), got {value!r}"
+            )
     if config.hidden_size % values["conv_group_size"]:
         raise ValueError(f"conv_group_size {values['conv_group_size']} must divide hidden_size {config.hidden_size}")
     if values["selector_top_k"] > config.vocab_size:
-        raise ValueError(f"selector_top_k {values['selector_top_k']} is larger than the vocabulary ({config.vocab_size} tokens)")
+        raise ValueError(
+            f"selector_top_k {values['selector_top_k']} is larger than the vocabulary ({config.vocab_size} tokens)"
+        )
     return values
 
 
@@ -88,6 +103,11 @@ class DFlashConfig(Qwen3Config):
             self.block_size, self.num_target_layers, self.dflash_config = block_size, num_target_layers, dflash_config
             self._fill_dflash_config(target_layer_ids, mask_token_id)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        check_draft_config(cls.get_config_dict(pretrained_model_name_or_path, **dict(kwargs))[0])
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
     def _fill_dflash_config(self, target_layer_ids, mask_token_id) -> None:
         dflash = dict(self.dflash_config or {})
         if target_layer_ids is not None:
@@ -111,7 +131,8 @@ class DFlashConfig(Qwen3Config):
     def draft_vocab(self) -> list[int] | None:
         """Sorted token ids the draft was trained to propose (FR-Spec style); None: the whole vocabulary.
 
-        Kept in `dflash_config`, which the serving engines read by key, so they load the checkpoint and use the full head.
+        Kept in `dflash_config`, which the serving engines read by key, so they load the checkpoint and use the full
+        head.
         """
         return self.dflash_config.get("draft_vocab")
 
@@ -150,7 +171,9 @@ class DFlashConfig(Qwen3Config):
         text = super().to_json_string(use_diff)
         if self.draft_vocab is None:
             return text
-        return re.sub(r'"draft_vocab": \[[^\]]*\]', lambda _: f'"draft_vocab": {json.dumps(self.draft_vocab)}', text, count=1)
+        return re.sub(
+            r'"draft_vocab": \[[^\]]*\]', lambda _: f'"draft_vocab": {json.dumps(self.draft_vocab)}', text, count=1
+        )
 
     def to_dict(self) -> dict:
         out = super().to_dict()
@@ -160,4 +183,11 @@ class DFlashConfig(Qwen3Config):
         return out
 
 
-__all__ = ["DFlashConfig", "build_target_layer_ids", "check_fits_target", "dflash2_settings", "first_stop"]
+__all__ = [
+    "DFlashConfig",
+    "build_target_layer_ids",
+    "check_draft_config",
+    "check_fits_target",
+    "dflash2_settings",
+    "first_stop",
+]

@@ -8,36 +8,26 @@ position, and draft tokens are kept while they equal the target's samples. Every
 given a prefix of target samples, so the output has exactly the target's distribution.
 """
 
-import inspect
-from collections.abc import Callable
+import functools
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import transformers
-from transformers import (
-    DynamicCache,
-    StaticCache,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
 try:
+    from .cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
+    from .cache_dflash import static_length, target_cache_for
     from .configuration_dflash import check_fits_target, first_stop
-    from .tree_dflash import DraftTree, check_tree_supported, compact_cache, propose
+    from .tree_dflash import DraftTree, check_tree_supported, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
+    from cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
+    from cache_dflash import static_length, target_cache_for
     from configuration_dflash import check_fits_target, first_stop
-    from tree_dflash import DraftTree, check_tree_supported, compact_cache, propose
-
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
-try:  # transformers 5.24+: linear-attention (gated delta, ...) layers keep their states in the cache, per layer
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-except ImportError:
-    LinearAttentionCacheLayerMixin = None
+    from tree_dflash import DraftTree, check_tree_supported, propose
 
 
 @dataclass
@@ -70,79 +60,6 @@ def decoder_layers(target) -> torch.nn.ModuleList:
     return layers
 
 
-def is_hybrid(target) -> bool:
-    """Whether the target keeps a recurrent state (linear-attention layers, or a stateful model)."""
-    layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or [])
-    return bool(getattr(target, "_is_stateful", False) or layer_types - ATTENTION_LAYER_TYPES)
-
-
-def check_target_supported(target) -> None:
-    """Refuses targets whose cache can neither be cropped back to an accepted prefix nor rolled back by
-    `RollbackCache` (whose every layer must be an attention layer or a linear-attention one)."""
-    if not is_hybrid(target):
-        return
-    name = type(target).__name__
-    if LinearAttentionCacheLayerMixin is None:
-        raise ValueError(
-            f"{name} keeps a recurrent state that cannot be cropped after a rejected draft; rolling it back needs "
-            f"transformers 5.24 or newer (its per-layer linear-attention caches); {transformers.__version__} is installed"
-        )
-    others = sorted({type(layer).__name__ for layer in DynamicCache(config=target.config).layers
-                     if not isinstance(layer, (CacheLayerMixin, LinearAttentionCacheLayerMixin))})
-    if others:
-        raise ValueError(f"{name}'s cache layers {others} can neither be cropped nor rolled back after a rejected draft")
-
-
-class RollbackCache(DynamicCache):
-    """The cache of a hybrid target, whose linear-attention layers keep a recurrent state that no crop can rewind.
-
-    `save(verify_ids)` keeps those states before a verify pass; `crop(-n)` then restores them, crops the attention
-    layers to before the pass, and runs the target over the accepted tokens only, which advances every layer
-    exactly as plain decoding would (as `mlx_port` does). Both decoding routes use it; to transformers' assisted
-    loop it is a croppable cache.
-    """
-
-    def __init__(self, target):
-        super().__init__(config=target.config)
-        self.target, self.cache_name, self.pending, self.saved = target, cache_kwarg(target), None, []
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
-    def activate_past_recording(self) -> None:
-        """A no-op: the states are saved whole before each verify, so they need no recorded past (which would make
-        the linear-attention conv states grow until a crop)."""
-
-    def recurrent_layers(self) -> list:
-        return [layer for layer in self.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-
-    def save(self, verify_ids: torch.Tensor) -> None:
-        """Before a verify pass over `verify_ids` (`[1, n]`, all new to the cache)."""
-        clone = lambda states: {i: s.clone() for i, s in states.items() if s is not None}  # noqa: E731
-        self.pending = verify_ids
-        self.saved = [(clone(layer.conv_states), clone(layer.recurrent_states)) for layer in self.recurrent_layers()]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        if tokens_to_remove > 0 or self.pending is None or -tokens_to_remove > self.pending.shape[1]:
-            raise RuntimeError(f"a hybrid target's cache rolls back only within its last verify pass (crop {tokens_to_remove})")
-        verified, kept = self.pending.shape[1], self.pending[:, : self.pending.shape[1] + tokens_to_remove]
-        for layer, (conv, recurrent) in zip(self.recurrent_layers(), self.saved):
-            for states, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
-                for i, state in saved.items():
-                    states[i].copy_(state)
-        for layer in self.layers:
-            if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, DynamicLayer):
-                DynamicLayer.crop(layer, -verified)  # a layer holding both: its own crop would refuse
-            elif isinstance(layer, CacheLayerMixin):
-                layer.crop(-verified)
-        self.pending = None
-        if kept.shape[1]:
-            self.target(input_ids=kept, use_cache=True, logits_to_keep=1, **{self.cache_name: self})
-
-
 def check_draft_fits_target(draft, target) -> None:
     """Raises a ValueError naming the first mismatch between the draft's config and the target."""
     num_layers = len(decoder_layers(target))
@@ -151,9 +68,63 @@ def check_draft_fits_target(draft, target) -> None:
     check_fits_target(draft.config, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
 
 
+class FromGenerationConfig:
+    """`spec_generate`'s default for `stop_token_ids`: the target's `generation_config.eos_token_id`, as `generate`
+    stops; an explicit None keeps z-lab's meaning (no stop token)."""
+
+    def __repr__(self) -> str:
+        return "<target.generation_config.eos_token_id>"
+
+
+EOS_FROM_GENERATION_CONFIG = FromGenerationConfig()
+
+
+def stop_ids(target, stop_token_ids) -> set[int]:
+    """The stop tokens of a call: an int, a list, None (none), or the default (the target's configured EOS ids)."""
+    if stop_token_ids is EOS_FROM_GENERATION_CONFIG:
+        stop_token_ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    if stop_token_ids is None:
+        return set()
+    ids = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"stop_token_ids must be a token id or a list of them, got {stop_token_ids!r}")
+    return set(ids)
+
+
+def prompt_tensor(target, input_ids) -> torch.Tensor:
+    """The `[1, prompt_len]` ids of a call, from a tensor or a tokenizer's output (`BatchEncoding`, any mapping
+    with `input_ids`), refused by name when they cannot be a prompt for `target`."""
+    if target is None or not callable(getattr(target, "get_input_embeddings", None)):
+        raise ValueError(f"target must be a transformers causal LM, got {type(target).__name__}")
+    if isinstance(input_ids, Mapping):
+        if "input_ids" not in input_ids:
+            raise ValueError(f"input_ids is a mapping without an 'input_ids' entry (keys: {sorted(input_ids)})")
+        mask = input_ids.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).all()):
+            raise ValueError("the attention_mask marks padding: DFlash decodes one unpadded prompt")
+        input_ids = input_ids["input_ids"]
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(
+            f"input_ids must be a tensor of token ids of shape [1, prompt_len] (e.g. tokenizer(text, "
+            f"return_tensors='pt')), got {type(input_ids).__name__}"
+        )
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    vocab = target.get_input_embeddings().num_embeddings
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)  # one host transfer
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids must be in [0, {vocab}) for this target, got ids from {low} to {high}")
+    return input_ids.long()
+
+
 def check_generation_inputs(input_ids: torch.Tensor, max_new_tokens: int, block_size: int) -> None:
+    for name, value in (("max_new_tokens", max_new_tokens), ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"DFlash decodes one sequence at a time (batch size 1); got input_ids of shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"DFlash decodes one sequence at a time (batch size 1); got input_ids of shape {tuple(input_ids.shape)}"
+        )
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: DFlash needs at least one input token")
     if max_new_tokens < 1:
@@ -171,58 +142,53 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
 
 
+# decoding settings a target's generation config may set that `spec_generate` does not apply (its own arguments
+# decide sampling; of the config it reads `eos_token_id` only)
+NOT_APPLIED = (
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
+    "sequence_bias", "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
+    "exponential_decay_length_penalty", "renormalize_logits",
+)
+
+
+def warn_generation_config_not_applied(target) -> None:
+    """Names what the target's `generation_config` sets that `spec_generate` would otherwise silently ignore."""
+    config = getattr(target, "generation_config", None)
+    diff = config.to_diff_dict() if config is not None else {}
+    ignored = sorted(name for name in NOT_APPLIED if diff.get(name) is not None)
+    if ignored:
+        warnings.warn(
+            f"spec_generate does not apply the target's generation_config settings {ignored}: it decodes with its own "
+            "temperature, top_k, top_p and stop_token_ids (target.generate(..., assistant_model=draft) applies them)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def check_schedule(schedule: str | None) -> None:
     if schedule not in (None, "constant", "heuristic"):
-        raise ValueError(f"block size schedule {schedule!r} is not supported with DFlash; use 'constant' or 'heuristic'")
-
-
-def static_length(cache) -> int | None:
-    """The slots of a preallocated cache (its keys span them all), or None for a growing one."""
-    lengths = {getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", None) or []}
-    if len(lengths) > 1:
-        raise ValueError(f"a cache whose layers differ in length ({sorted(lengths, key=str)}) is not supported")
-    return next(iter(lengths), None)
-
-
-def target_cache_for(target, cache_implementation: str | None, past_key_values, max_length: int, slots: int | None = None):
-    """The target cache of one call: a new `DynamicCache`, a new `StaticCache` of `slots` (default `max_length`)
-    slots, or the caller's empty cache, checked before any compute to be one whose every layer can be cropped."""
-    if past_key_values is not None and cache_implementation is not None:
-        raise ValueError("pass either cache_implementation or past_key_values, not both")
-    if cache_implementation not in (None, "dynamic", "static"):
-        raise ValueError(f"cache_implementation={cache_implementation!r} is not supported; use 'dynamic' or 'static'")
-    if is_hybrid(target):
-        if past_key_values is not None or cache_implementation == "static":
-            raise ValueError(
-                f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
-                "leave cache_implementation and past_key_values unset (a static or passed cache is not supported)"
-            )
-        return RollbackCache(target)
-    if past_key_values is None and cache_implementation != "static":
-        return DynamicCache()
-    cache = past_key_values if past_key_values is not None else StaticCache(config=target.config, max_cache_len=slots or max_length)
-    if int(cache.get_seq_length()) > 0:
-        raise ValueError("past_key_values must be empty: the draft needs the target features of every prompt token")
-    layers = getattr(cache, "layers", None) or []
-    if not isinstance(cache, DynamicCache) and not (layers and all(getattr(layer, "is_croppable", False) for layer in layers)):
         raise ValueError(
-            f"{type(cache).__name__} cannot be cropped back to an accepted prefix with transformers "
-            f"{transformers.__version__}; DFlash needs a dynamic cache, or a static one on transformers 5 or newer"
+            f"block size schedule {schedule!r} is not supported with DFlash; use 'constant' or 'heuristic'"
         )
-    if (static_length(cache) or max_length) < max_length:
-        raise ValueError(f"the cache holds {static_length(cache)} tokens; this call may need {max_length}")
-    return cache
 
 
-def check_compile_request(compile_verify: bool, cache_implementation: str | None, past_key_values, schedule: str) -> str | None:
+def check_compile_request(
+    compile_verify: bool, cache_implementation: str | None, past_key_values, schedule: str
+) -> str | None:
     """The cache implementation of the call: a compiled verify needs fixed shapes, so a static cache (the default
     then) and a constant block."""
     if not compile_verify:
         return cache_implementation
     if cache_implementation == "dynamic" or (past_key_values is not None and static_length(past_key_values) is None):
-        raise ValueError("compile_verify=True needs a static cache (fixed verify shapes); a dynamic cache grows every round")
+        raise ValueError(
+            "compile_verify=True needs a static cache (fixed verify shapes); a dynamic cache grows every round"
+        )
     if schedule != "constant":
-        raise ValueError(f"compile_verify=True needs block_size_schedule='constant'; {schedule!r} changes the verify shape every round")
+        raise ValueError(
+            f"compile_verify=True needs block_size_schedule='constant'; "
+            f"{schedule!r} changes the verify shape every round"
+        )
     return cache_implementation or (None if past_key_values is not None else "static")
 
 
@@ -243,11 +209,30 @@ def verify_forward(target, compile_verify: bool) -> Callable:
     return compiled
 
 
-def default_tree_budget(draft, target, schedule: str) -> int | None:
-    """The config's `tree_budget`, which yields to an adaptive chain, a DFlash 2 selector and a recurrent target."""
-    if schedule != "constant" or draft.has_selector or is_hybrid(target):
+def verified_length(prompt_len: int, max_new_tokens: int, block_size: int, tree_budget: int | None) -> int:
+    """The longest the target's sequence can grow: the last verify starts just before `max_new_tokens`."""
+    return prompt_len + max_new_tokens + max(block_size, (tree_budget or 0) + 1)
+
+
+def default_tree_budget(
+    draft, target, schedule: str, final_length: Callable[[int | None], int] = lambda budget: 0
+) -> int | None:
+    """The config's `tree_budget`, which yields to an adaptive chain, a DFlash 2 selector and a recurrent target, and,
+    with a warning, to a target that cannot verify that tree (its attention takes no custom mask, or the call could
+    outgrow its sliding window; `final_length(budget)` is the call's longest sequence)."""
+    budget = draft.config.tree_budget
+    if schedule != "constant" or draft.has_selector or is_hybrid(target) or not budget:
         return None
-    return draft.config.tree_budget
+    try:
+        check_tree_supported(target, budget, final_length(budget))
+    except ValueError as reason:  # a default steps aside; an explicit tree_budget keeps raising
+        warnings.warn(
+            f"verifying the argmax chain instead of the draft config's tree of {budget}: {reason}",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    return budget
 
 
 def check_tree_request(draft, target, tree_budget: int | None, schedule: str, final_length: int) -> None:
@@ -255,7 +240,8 @@ def check_tree_request(draft, target, tree_budget: int | None, schedule: str, fi
         return
     if is_hybrid(target):
         raise ValueError(
-            f"a draft tree (tree_budget={tree_budget}) needs an attention mask over the tree, which the recurrent layers "
+            f"a draft tree (tree_budget={tree_budget}) needs an attention mask over the tree, "
+            "which the recurrent layers "
             f"of {type(target).__name__} cannot take; use the chain (tree_budget=0)"
         )
     if draft.has_selector:
@@ -264,7 +250,9 @@ def check_tree_request(draft, target, tree_budget: int | None, schedule: str, fi
             "selector chooses each token given the one before, so it verifies its chain (tree_budget=0)"
         )
     if schedule != "constant":
-        raise ValueError(f"block_size_schedule={schedule!r} adapts a chain; a tree (tree_budget={tree_budget}) needs 'constant'")
+        raise ValueError(
+            f"block_size_schedule={schedule!r} adapts a chain; a tree (tree_budget={tree_budget}) needs 'constant'"
+        )
     check_tree_supported(target, tree_budget, final_length)
 
 
@@ -298,7 +286,8 @@ class LayerFeatures:
         return hook
 
     def pop(self, index=slice(None)) -> torch.Tensor:
-        """The last pass's features at sequence `index`, concatenated `[b, n, len(layer_ids) * H]`; then forgets them."""
+        """The last pass's features at sequence `index`, concatenated `[b, n, len(layer_ids) * H]`; then forgets
+        them."""
         context = torch.cat([self.outputs[i][:, index] for i in self.layer_ids], dim=-1)
         self.outputs = {}
         return context
@@ -335,7 +324,11 @@ def draft_head(draft, lm_head) -> Callable[[torch.Tensor], torch.Tensor]:
     cap = draft.config.dflash_field("final_logit_softcapping")
     vocab = getattr(draft.config, "draft_vocab", None)
     ids = None if vocab is None else torch.tensor(vocab, device=lm_head.weight.device)
-    weight, bias = (lm_head.weight, lm_head.bias) if ids is None else (lm_head.weight[ids], None if lm_head.bias is None else lm_head.bias[ids])
+    weight, bias = (
+        (lm_head.weight, lm_head.bias)
+        if ids is None
+        else (lm_head.weight[ids], None if lm_head.bias is None else lm_head.bias[ids])
+    )
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(hidden, weight, bias)
@@ -357,7 +350,9 @@ def draft_step(draft, embed, head, last_token, context, start, cache, block_size
     block = torch.full((1, block_size), draft.config.mask_token_id, dtype=torch.long, device=last_token.device)
     block[:, :1] = last_token
     positions = torch.arange(start - context.shape[1], start + block_size, device=block.device)[None]
-    hidden = draft(noise_embeds=embed(block), context_hidden_states=context, position_ids=positions, past_key_values=cache)
+    hidden = draft(
+        noise_embeds=embed(block), context_hidden_states=context, position_ids=positions, past_key_values=cache
+    )
     drop_last(cache, block_size)  # the cache keeps committed context only; the block is re-drafted next round
     hidden = hidden.last_hidden_state[:, 1:]
     return head(hidden), hidden
@@ -376,7 +371,9 @@ def chain_proposal(draft, logits, hidden, last_token, warpers, generator=None) -
     DFlash 2 selector's walk, greedy, or sampled from its warped scores when the call samples (as z-lab's reference)."""
     if not draft.has_selector:
         return logits.argmax(dim=-1)
-    return choose_block(draft, logits, hidden, last_token, lambda scores: pick_tokens(scores[:, None], warpers, generator)[:, 0])
+    return choose_block(
+        draft, logits, hidden, last_token, lambda scores: pick_tokens(scores[:, None], warpers, generator)[:, 0]
+    )
 
 
 def next_block_size(block_size: int, accepted: int, max_block_size: int) -> int:
@@ -399,7 +396,9 @@ def sampling_warpers(temperature: float, top_k: int = 0, top_p: float = 1.0) -> 
     return warpers
 
 
-def pick_tokens(logits: torch.Tensor, warpers: LogitsProcessorList, generator: torch.Generator | None = None) -> torch.Tensor:
+def pick_tokens(
+    logits: torch.Tensor, warpers: LogitsProcessorList, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Greedy without warpers, else one independent sample per position from the warped distribution.
     `logits`: `[1, n, vocab]`."""
     if not warpers:
@@ -431,17 +430,6 @@ def stream_tokens(streamer: BaseStreamer | None, tokens: list[int], streamed: in
     return end
 
 
-def drop_last(cache: DynamicCache, num_tokens: int) -> None:
-    """Removes the last `num_tokens` cached tokens; `crop(0)` would empty the cache on transformers 4.x."""
-    if num_tokens > 0:
-        cache.crop(-num_tokens)
-
-
-def cache_kwarg(model) -> str:
-    """The name `model.forward` takes its cache by: `cache` on transformers 5.24+, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The hand-written loop.
 
@@ -452,7 +440,7 @@ def spec_generate(
     target,
     input_ids: torch.LongTensor,
     max_new_tokens: int = 2048,
-    stop_token_ids: list[int] | None = None,
+    stop_token_ids: list[int] | int | None = EOS_FROM_GENERATION_CONFIG,
     temperature: float = 0.0,
     *,
     block_size: int | None = None,
@@ -467,14 +455,25 @@ def spec_generate(
     past_key_values=None,
     compile_verify: bool = False,
 ):
-    """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding:
-    identical tokens at `temperature=0`, the same distribution above it.
+    """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding with
+    this call's settings: identical tokens at `temperature=0` (in float32), the same distribution above it.
+
+    Exactness by dtype: in float32, greedy output is token-identical to plain greedy decoding. In bfloat16 or float16
+    a verify pass over several tokens rounds differently from several one-token passes, so greedy output may leave
+    plain greedy decoding of the same target, only where the target's top two logits are within a few units in the
+    last place of each other (a rounding tie; `bench.divergence` measures it, tested on the real target), as in vLLM
+    and SGLang. Sampling keeps the target's distribution in every dtype (logits are sampled in float32).
 
     Args:
         target: a transformers causal LM whose hidden states this draft was trained on.
-        input_ids: `[1, prompt_len]` prompt.
+        input_ids: `[1, prompt_len]` prompt ids, or a tokenizer's output holding them (`apply_chat_template(...,
+            return_dict=True, return_tensors="pt")`).
         max_new_tokens: at most this many new tokens.
-        stop_token_ids: generation ends after the first of these tokens (it is kept).
+        stop_token_ids: generation ends after the first of these tokens (it is kept); one id or a list. Omitted: the
+            target's `generation_config.eos_token_id`, where `generate` stops too; None: no stop token (z-lab's
+            meaning). That is all `spec_generate` reads from the generation config: its own arguments decide the
+            decoding, and a config that sets other decoding options (`repetition_penalty`, `do_sample`, ...) gets a
+            warning naming them.
         temperature: 0 for greedy decoding.
         cache_implementation: the target's cache, `"dynamic"` (default) or `"static"` (preallocated for the prompt,
             `max_new_tokens` and one verify; needs transformers 5 or newer, whose static layers can be cropped).
@@ -496,19 +495,29 @@ def spec_generate(
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
+    input_ids = prompt_tensor(target, input_ids)
     block_size = block_size or self.config.block_size
-    tree_budget = (default_tree_budget(self, target, block_size_schedule) if tree_budget is None else tree_budget) or None
     check_generation_inputs(input_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_p, top_k)
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
-    final_length = input_ids.shape[1] + max_new_tokens + max(block_size, (tree_budget or 0) + 1)  # after the last verify
+    warn_generation_config_not_applied(target)
+    length = functools.partial(verified_length, input_ids.shape[1], max_new_tokens, block_size)
+    if tree_budget is None:
+        tree_budget = default_tree_budget(self, target, block_size_schedule, length)
+    tree_budget = tree_budget or None
+    final_length = length(tree_budget)
     check_tree_request(self, target, tree_budget, block_size_schedule, final_length)
-    cache_implementation = check_compile_request(compile_verify, cache_implementation, past_key_values, block_size_schedule)
+    cache_implementation = check_compile_request(
+        compile_verify, cache_implementation, past_key_values, block_size_schedule
+    )
     slots = compiled_cache_slots(final_length) if compile_verify else final_length
     target_cache = target_cache_for(target, cache_implementation, past_key_values, final_length, slots)
     verify = verify_forward(target, compile_verify)
-    ending, warpers = OutputEnd(set(stop_token_ids or []), max_new_tokens), sampling_warpers(temperature, top_k, top_p)
+    ending, warpers = (
+        OutputEnd(stop_ids(target, stop_token_ids), max_new_tokens),
+        sampling_warpers(temperature, top_k, top_p),
+    )
     embed, head = draft_embedding(self, target), draft_head(self, target.get_output_embeddings())
     cache_name = cache_kwarg(target)
     draft_cache, kv_slots = DynamicCache(), static_length(target_cache)  # a tree mask spans a static cache's slots
@@ -539,13 +548,19 @@ def spec_generate(
                 mask = tree.attention_mask(start, target.dtype, input_ids.device, kv_slots)
             if isinstance(target_cache, RollbackCache):
                 target_cache.save(verify_ids)
-            out = verify(input_ids=verify_ids, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_name: target_cache})
+            out = verify(
+                input_ids=verify_ids,
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=True,
+                **{cache_name: target_cache},
+            )
             chosen = pick_tokens(out.logits, warpers, generator)
             tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
             drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]
             tree = DraftTree.chain(drafted) if tree_budget is None else tree
             path = tree.accept(chosen_ids)
-            new_tokens += [tree.tokens[node - 1] for node in path[1:]] + [chosen_ids[path[-1]]]
+            new_tokens += [tree.node_token(node) for node in path[1:]] + [chosen_ids[path[-1]]]
             acceptance_lengths.append(len(path))
             # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
             compact_cache(target_cache, start, path)
@@ -586,7 +601,17 @@ class DFlashCandidateGenerator(CandidateGenerator):
             target verifies them.
     """
 
-    def __init__(self, target, draft, generation_config, logits_processor=None, *, proposal="argmax", block_size=None, rollback=None):
+    def __init__(
+        self,
+        target,
+        draft,
+        generation_config,
+        logits_processor=None,
+        *,
+        proposal="argmax",
+        block_size=None,
+        rollback=None,
+    ):
         if proposal not in ("argmax", "sample"):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
         check_draft_fits_target(draft, target)
@@ -615,11 +640,16 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.proposed = True
         new = committed - self.context_len  # the last target pass began at `context_len`; it kept `new` tokens
         context = self.features.pop(slice(0, new))
-        logits, hidden = draft_step(self.draft, self.embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size)
+        logits, hidden = draft_step(
+            self.draft, self.embed, self.head, input_ids[:, -1:], context, committed, self.cache, self.block_size
+        )
         logits, hidden = logits[:, :max_new].float(), hidden[:, :max_new]
         self.context_len = committed
         if self.proposal == "argmax":
-            candidates, scores = torch.cat([input_ids, chain_proposal(self.draft, logits, hidden, input_ids[:, -1:], None)], dim=1), None
+            candidates, scores = (
+                torch.cat([input_ids, chain_proposal(self.draft, logits, hidden, input_ids[:, -1:], None)], dim=1),
+                None,
+            )
         else:
             candidates, scores = self._sample_candidates(input_ids, logits, hidden)
         if self.rollback is not None:  # the target verifies the last committed token and the drafted ones

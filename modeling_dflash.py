@@ -30,7 +30,9 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from tree_dflash import DraftTree
 
 # transformers 5.x names the cache `cache`, 4.x `past_key_values`
-_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+_CACHE_FIELD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+)
 
 
 _STRICT_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys")
@@ -52,13 +54,17 @@ def key_padding_mask(attention_mask: torch.Tensor | None, query_len: int, dtype:
     return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(blocked, torch.finfo(dtype).min)
 
 
-def draft_attention_mask(query_len: int, key_len: int, causal: bool, window: int | None, dtype, device) -> torch.Tensor | None:
+def draft_attention_mask(
+    query_len: int, key_len: int, causal: bool, window: int | None, dtype, device
+) -> torch.Tensor | None:
     """Additive `[1, 1, q, k]` mask of one draft layer, as z-lab's reference defines it: the block's query `i` sits at
     key index `key_len - query_len + i`; a causal layer hides later keys; a window hides keys `window` or more before
     the query, and, in a non-causal layer, as far after it. None when nothing is hidden."""
     if not causal and window is None:
         return None
-    offset = torch.arange(key_len - query_len, key_len, device=device)[:, None] - torch.arange(key_len, device=device)[None]
+    offset = (
+        torch.arange(key_len - query_len, key_len, device=device)[:, None] - torch.arange(key_len, device=device)[None]
+    )
     hidden = offset < 0 if causal else torch.zeros_like(offset, dtype=torch.bool)
     if window is not None:
         hidden |= (offset >= window) if causal else (offset.abs() >= window)
@@ -73,7 +79,8 @@ def layer_is_causal(config, layer_type: str) -> bool:
 
 
 class DFlashAttention(nn.Module):
-    """Queries from the block; keys/values from `[context ; block]`; non-causal unless the layer type makes it causal."""
+    """Queries from the block; keys/values from `[context ; block]`; non-causal unless the layer type makes it
+    causal."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -106,7 +113,9 @@ class DFlashAttention(nn.Module):
         value = self._heads(self.v_proj(kv_input))
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        own = draft_attention_mask(query.shape[-2], key.shape[-2], self.causal, self.sliding_window, query.dtype, query.device)
+        own = draft_attention_mask(
+            query.shape[-2], key.shape[-2], self.causal, self.sliding_window, query.dtype, query.device
+        )
         if own is not None:
             attention_mask = own if attention_mask is None else attention_mask + own
         impl = self.config._attn_implementation
@@ -213,7 +222,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     spec_generate = _spec_generate
     generate = _refuse_generate
-    _dflash_assisted_generate = staticmethod(_assisted_generate)  # `target.generate(assistant_model=draft)` runs this copy
+    _dflash_assisted_generate = staticmethod(
+        _assisted_generate
+    )  # `target.generate(assistant_model=draft)` runs this copy
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,11 +259,15 @@ class BlockConvolution(nn.Module):
         base = torch.zeros(2, self.taps, config.hidden_size)
         base[:, 0] = 1.0  # an identity until trained
         self.base_kernel = nn.Parameter(base)
-        self.kernel_projection = nn.Linear(config.hidden_size, 2 * self.taps * (config.hidden_size // self.group_size), bias=False)
+        self.kernel_projection = nn.Linear(
+            config.hidden_size, 2 * self.taps * (config.hidden_size // self.group_size), bias=False
+        )
 
     def before(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The convolved input and the kernels `after` will use, both `[batch, block, ...]`."""
-        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, -1).repeat_interleave(self.group_size, dim=-1)
+        dynamic = (
+            self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, -1).repeat_interleave(self.group_size, dim=-1)
+        )
         kernels = self.base_kernel.to(x.dtype) + dynamic
         return self.convolve(x, kernels[..., 0, :, :]), kernels[..., 1, :, :]
 
@@ -303,7 +318,9 @@ class CandidateSelector(nn.Module):
         pair = torch.einsum("br,bkr->bk", context, self.successor_codebook[candidates]).to(unary.dtype)
         return torch.full_like(logits, float("-inf")).scatter_(-1, candidates, unary + pair)
 
-    def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, choose=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def walk(
+        self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, choose=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's tokens `[batch, n]` and each position's scores `[batch, n, vocab]` given the chosen
         predecessor. `logits` `[batch, n, vocab]`, `hidden` `[batch, n, hidden]`, `anchor` `[batch, 1]`;
         `choose(scores) -> [batch]` picks a token from one position's scores (default: the best)."""

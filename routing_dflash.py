@@ -10,10 +10,10 @@ this module wraps three `GenerationMixin` methods once:
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
-import warnings
 
 import torch
 import transformers
@@ -21,10 +21,13 @@ from transformers import GenerationConfig, GenerationMixin, StoppingCriteria, St
 from transformers.generation.streamers import BaseStreamer
 
 try:
-    from .generation_dflash import DFlashCandidateGenerator, RollbackCache, cache_kwarg, check_draft_fits_target, check_schedule, drop_last, is_hybrid
+    from .cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid
+    from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from generation_dflash import DFlashCandidateGenerator, RollbackCache, cache_kwarg, check_draft_fits_target, check_schedule, drop_last, is_hybrid
+    from cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid
+    from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 
+logger = transformers.utils.logging.get_logger(__name__)
 ROUTED = ("generate", "_get_candidate_generator", "_get_stopping_criteria")
 # what each wrapped method must still take for the routing to work
 NEEDED_PARAMETERS = {
@@ -42,8 +45,13 @@ class TokenStopping(StoppingCriteria):
     token fewer; while `verifying()` is true the answer is "no", since the committed check truncates at the stop anyway.
     """
 
-    def __init__(self, criteria: StoppingCriteriaList, prompt_len: int, streamer: BaseStreamer | None = None,
-                 verifying=lambda: False):
+    def __init__(
+        self,
+        criteria: StoppingCriteriaList,
+        prompt_len: int,
+        streamer: BaseStreamer | None = None,
+        verifying=lambda: False,
+    ):
         self.criteria, self.checked, self.streamer, self.verifying = criteria, prompt_len, streamer, verifying
         self.stop_length = None
 
@@ -67,7 +75,8 @@ class TokenStopping(StoppingCriteria):
 
 
 class PromptStreamer(BaseStreamer):
-    """Hands transformers' first `put` (the prompt) and `end` to the user's streamer; `TokenStopping` streams the rest."""
+    """Hands transformers' first `put` (the prompt) and `end` to the user's streamer; `TokenStopping` streams the
+    rest."""
 
     def __init__(self, streamer: BaseStreamer):
         self.streamer, self.prompt_sent = streamer, False
@@ -84,7 +93,17 @@ class PromptStreamer(BaseStreamer):
 class DFlashCall:
     """One `target.generate` call with a DFlash assistant: builds its candidate generator and its stopping."""
 
-    def __init__(self, target, draft, prompt_len: int, streamer: BaseStreamer | None, *, block_size: int, builtin: bool, rollback=None):
+    def __init__(
+        self,
+        target,
+        draft,
+        prompt_len: int,
+        streamer: BaseStreamer | None,
+        *,
+        block_size: int,
+        builtin: bool,
+        rollback=None,
+    ):
         self.target, self.draft, self.prompt_len, self.streamer = target, draft, prompt_len, streamer
         self.block_size, self.builtin, self.rollback = block_size, builtin, rollback
         self.generators: list[DFlashCandidateGenerator] = []
@@ -95,8 +114,15 @@ class DFlashCall:
             return original(target, *args, **kwargs)
         bound = bind(original, target, args, kwargs)
         proposal = getattr(self.draft, "dflash_proposal", "argmax")  # `draft.dflash_proposal = "sample"` to compare
-        generator = DFlashCandidateGenerator(target, self.draft, bound["generation_config"], bound["logits_processor"],
-                                             proposal=proposal, block_size=self.block_size, rollback=self.rollback)
+        generator = DFlashCandidateGenerator(
+            target,
+            self.draft,
+            bound["generation_config"],
+            bound["logits_processor"],
+            proposal=proposal,
+            block_size=self.block_size,
+            rollback=self.rollback,
+        )
         self.generators.append(generator)
         return generator
 
@@ -127,7 +153,11 @@ def requested_block_size(draft, call: dict) -> int:
     """`num_assistant_tokens` drafted tokens plus the last token, when the call sets it; else the draft's block size."""
     drafted = call.get("num_assistant_tokens")
     config = call.get("generation_config")
-    if drafted is None and config is not None and config.num_assistant_tokens != GenerationConfig().num_assistant_tokens:
+    if (
+        drafted is None
+        and config is not None
+        and config.num_assistant_tokens != GenerationConfig().num_assistant_tokens
+    ):
         drafted = config.num_assistant_tokens
     return draft.config.block_size if drafted is None else int(drafted) + 1
 
@@ -154,9 +184,14 @@ def check_assisted_call(target, draft, call: dict) -> None:
     if (setting("num_beams") or 1) > 1:
         raise ValueError("beam search (num_beams > 1) is not supported with a DFlash assistant")
     if call.get("assistant_tokenizer") is not None:
-        raise ValueError("assistant_tokenizer is not supported with a DFlash assistant: a DFlash draft shares the target's tokenizer")
+        raise ValueError(
+            "assistant_tokenizer is not supported with a DFlash assistant: a DFlash draft shares the target's tokenizer"
+        )
     if requested_block_size(draft, call) < 2:
-        raise ValueError(f"num_assistant_tokens must be at least 1 with a DFlash assistant, got {requested_block_size(draft, call) - 1}")
+        raise ValueError(
+            "num_assistant_tokens must be at least 1 with a DFlash assistant, "
+            f"got {requested_block_size(draft, call) - 1}"
+        )
     check_schedule(setting("num_assistant_tokens_schedule"))
     if setting("tree_budget") is not None:
         raise ValueError(
@@ -165,7 +200,10 @@ def check_assisted_call(target, draft, call: dict) -> None:
             "draft.spec_generate(target=..., tree_budget=N)"
         )
     if setting("cache_implementation") not in (None, "dynamic", "static"):
-        raise ValueError(f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; DFlash needs a dynamic or static cache")
+        raise ValueError(
+            f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; "
+            "DFlash needs a dynamic or static cache"
+        )
     cache = call.get("past_key_values", call.get("cache"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
@@ -173,9 +211,11 @@ def check_assisted_call(target, draft, call: dict) -> None:
             "features of every prompt token; pass the whole prompt without a cache"
         )
     check_draft_fits_target(draft, target)
-    if getattr(draft.config, "tree_budget", None) is not None:
-        warnings.warn(f"the draft's config sets tree_budget={draft.config.tree_budget}, which only spec_generate "
-                      "honours; target.generate verifies the argmax chain", UserWarning, stacklevel=4)
+    if getattr(draft.config, "tree_budget", None) is not None:  # a spec_generate default, not something asked here
+        logger.info_once(
+            f"the draft's config sets tree_budget={draft.config.tree_budget}, which only spec_generate "
+            "honours; target.generate verifies the argmax chain"
+        )
 
 
 def routing_problem() -> str | None:
@@ -184,7 +224,10 @@ def routing_problem() -> str | None:
         method = getattr(GenerationMixin, name, None)
         original = getattr(method, "__wrapped__", method)
         if original is None or not params <= set(inspect.signature(original).parameters):
-            return f"transformers {transformers.__version__} changed GenerationMixin.{name}, which DFlash routing relies on"
+            return (
+                f"transformers {transformers.__version__} changed GenerationMixin.{name}, "
+                "which DFlash routing relies on"
+            )
     return None
 
 
@@ -199,8 +242,15 @@ def assisted_generate(generate, target, call: dict):
         raise RuntimeError(problem + "; use draft.spec_generate(target=...) instead")
     prompt_len = prompt_ids(call).shape[1]
     rollback = hybrid_cache(target, call, builtin)
-    dflash = DFlashCall(target, draft, prompt_len, call.get("streamer"), block_size=requested_block_size(draft, call), builtin=builtin,
-                        rollback=rollback)
+    dflash = DFlashCall(
+        target,
+        draft,
+        prompt_len,
+        call.get("streamer"),
+        block_size=requested_block_size(draft, call),
+        builtin=builtin,
+        rollback=rollback,
+    )
     if dflash.streamer is not None:
         call["streamer"] = PromptStreamer(dflash.streamer)
     calls = active_calls()
@@ -212,7 +262,9 @@ def assisted_generate(generate, target, call: dict):
         calls.current = previous
         dflash.close()
     if dflash.stopping is None or not (builtin or dflash.generators):
-        raise RuntimeError(f"transformers {transformers.__version__} did not build the DFlash candidate generator and stopping")
+        raise RuntimeError(
+            f"transformers {transformers.__version__} did not build the DFlash candidate generator and stopping"
+        )
     sequences = result if isinstance(result, torch.Tensor) else result.sequences
     return truncate_output(result, dflash.stopping.stop_length or sequences.shape[1], prompt_len)
 
@@ -222,11 +274,15 @@ def hybrid_cache(target, call: dict, builtin: bool) -> RollbackCache | None:
     if not is_hybrid(target):
         return None
     if builtin:
-        raise ValueError(f"{type(target).__name__} keeps a recurrent state, which transformers' own DFlash generator cannot roll "
-                         "back; leave speculation_type unset to use this project's")
+        raise ValueError(
+            f"{type(target).__name__} keeps a recurrent state, which transformers' own DFlash generator cannot roll "
+            "back; leave speculation_type unset to use this project's"
+        )
     if call.get("past_key_values", call.get("cache")) is not None or call.get("cache_implementation") is not None:
-        raise ValueError(f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
-                         "leave cache_implementation and past_key_values unset")
+        raise ValueError(
+            f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
+            "leave cache_implementation and past_key_values unset"
+        )
     call[cache_kwarg(target)] = rollback = RollbackCache(target)
     return rollback
 
@@ -257,9 +313,10 @@ def truncate_output(result, length: int, prompt_len: int):
     for name in ("scores", "logits", "hidden_states", "attentions"):  # one entry per new token
         if getattr(result, name, None) is not None:
             setattr(result, name, getattr(result, name)[: length - prompt_len])
-    for name in ("cache", "past_key_values"):
-        if (cache := getattr(result, name, None)) is not None:
-            drop_last(cache, cache.get_seq_length() - (length - 1))
+    # the field's own name: transformers 5.24 logs a deprecation for the `past_key_values` alias, however it is read
+    fields = {field.name for field in dataclasses.fields(result)}
+    if (cache := getattr(result, "cache" if "cache" in fields else "past_key_values", None)) is not None:
+        drop_last(cache, cache.get_seq_length() - (length - 1))
     return result
 
 

@@ -10,7 +10,6 @@ import heapq
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 ATTENTION_FOR_TREES = ("eager", "sdpa")  # the implementations that take an arbitrary 4D mask
 
@@ -29,6 +28,10 @@ class DraftTree:
     @classmethod
     def chain(cls, tokens: list[int]) -> "DraftTree":
         return cls(list(tokens), list(range(len(tokens))), list(range(1, len(tokens) + 1)))
+
+    def node_token(self, node: int) -> int:
+        """The token node `node >= 1` holds (node 0, the root, is the last committed token, held elsewhere)."""
+        return self.tokens[node - 1]
 
     def is_chain(self) -> bool:
         return self.parents == list(range(len(self.tokens)))
@@ -54,7 +57,10 @@ class DraftTree:
         only, none of the slots after the tree (a static cache's keys span its whole length)."""
         n = len(self.tokens) + 1
         unused = (kv_len or cache_len + n) - cache_len - n
-        visible = torch.cat([torch.ones(n, cache_len, dtype=torch.bool), self.ancestors(), torch.zeros(n, unused, dtype=torch.bool)], dim=1)
+        visible = torch.cat(
+            [torch.ones(n, cache_len, dtype=torch.bool), self.ancestors(), torch.zeros(n, unused, dtype=torch.bool)],
+            dim=1,
+        )
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[None, None].to(device)
 
@@ -96,19 +102,6 @@ def propose(logits: torch.Tensor, budget: int | None, warpers=None) -> DraftTree
     return build_tree(torch.log_softmax(scores, dim=-1), budget)
 
 
-def compact_cache(cache: DynamicCache, first: int, path: list[int]) -> None:
-    """Keeps, after the first `first` cached tokens, only the tree nodes on `path`, moved to consecutive slots."""
-    total = int(cache.get_seq_length())  # a static cache counts in a tensor
-    if path != list(range(len(path))):  # a chain prefix needs no gather
-        keep = torch.tensor(path) + first
-        for layer in cache.layers:
-            keep = keep.to(layer.keys.device)
-            layer.keys[..., first : first + len(path), :] = layer.keys[..., keep, :]
-            layer.values[..., first : first + len(path), :] = layer.values[..., keep, :]
-    if total > first + len(path):
-        cache.crop(first + len(path) - total)
-
-
 def check_tree_supported(target, tree_budget: int, final_length: int) -> None:
     """Refuses, before any compute, targets whose verify pass cannot take a tree mask or whose cache cannot be
     compacted to the accepted path."""
@@ -118,14 +111,17 @@ def check_tree_supported(target, tree_budget: int, final_length: int) -> None:
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if attention not in ATTENTION_FOR_TREES:
         raise ValueError(
-            f"tree verification needs an attention implementation that takes a custom 4D mask ({', '.join(ATTENTION_FOR_TREES)}); "
-            f"the target uses {attention!r}. Load it with attn_implementation='sdpa' or use the chain (tree_budget=None)."
+            "tree verification needs an attention implementation that takes a custom 4D mask "
+            f"({', '.join(ATTENTION_FOR_TREES)}); "
+            f"the target uses {attention!r}. Load it with attn_implementation='sdpa' or use the chain (tree_budget=0)."
         )
     window = getattr(config, "sliding_window", None)
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(config, "use_sliding_window", True)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
+        config, "use_sliding_window", True
+    )
     if window is not None and sliding and final_length > window:
         raise ValueError(
             f"tree verification replaces the target's sliding-window mask ({window} tokens) with a tree mask, which is "
             f"exact only while the sequence fits the window; this call may reach {final_length} tokens. "
-            "Use the chain (tree_budget=None) or fewer tokens."
+            "Use the chain (tree_budget=0) or fewer tokens."
         )

@@ -1,5 +1,6 @@
 """Tiny random targets and drafts, built in code (no Hub), shared by every test."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -159,16 +160,18 @@ def exact_two_token_distribution(target, ids, processors) -> torch.Tensor:
     return exact_joint_distribution(target, ids, processors, 2).flatten()
 
 
-def sample_two_tokens(draft, target, ids, n: int, temperature: float, block_size: int = 4) -> tuple[torch.Tensor, int]:
-    """Counts of the first two tokens `spec_generate` samples in `n` runs, as a flat `[V * V]` table, and how many
-    runs kept a drafted token in their first round."""
+def sample_two_tokens(draft, target, ids, n: int, temperature: float, block_size: int = 4, new_tokens: int = 2,
+                      **kwargs) -> tuple[torch.Tensor, int]:
+    """Counts of the last two of `new_tokens` tokens `spec_generate` samples in `n` runs, as a flat `[V * V]` table,
+    and how many runs kept drafted tokens at every position counted in their first round (the first new token
+    comes from the prefill, so 2 new tokens count one drafted position and 3 count two)."""
     g, counts, accepted = torch.Generator().manual_seed(0), torch.zeros(VOCAB * VOCAB), 0
     for _ in range(n):
-        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=temperature,
-                                    block_size=block_size, return_stats=True, generator=g)
-        t1, t2 = stats.output_ids[0, ids.shape[1]:].tolist()
+        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=new_tokens, temperature=temperature,
+                                    block_size=block_size, return_stats=True, generator=g, **kwargs)
+        t1, t2 = stats.output_ids[0, -2:].tolist()
         counts[t1 * VOCAB + t2] += 1
-        accepted += stats.acceptance_lengths[0] > 1
+        accepted += stats.acceptance_lengths[0] >= new_tokens
     return counts, accepted
 
 
@@ -207,3 +210,8 @@ def target():
 @pytest.fixture
 def draft():
     return make_draft()
+
+
+def readme_python_blocks() -> list[str]:
+    """The README's Python code blocks, in order, to run as written."""
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)

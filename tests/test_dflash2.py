@@ -292,15 +292,18 @@ def test_generate_route_sampling_with_selector_probabilities_matches_the_target_
     draft = oracle_dflash2(target, greedy_reference(target, ids, 8), 3, scale=3.0, block_size=4)
     draft.dflash_proposal = "sample"
     torch.manual_seed(0)
-    counts, drafted = torch.zeros(VOCAB * VOCAB), 0
+    counts = torch.zeros(VOCAB * VOCAB)
+    passes = []
+    target.register_forward_pre_hook(lambda *a: passes.append(1))
     for _ in range(n):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=6, do_sample=True,
                               temperature=temperature, top_k=0, pad_token_id=0)
         counts[out[0, 4] * VOCAB + out[0, 5]] += 1
-    drafted = len(draft.calls)
     p_value, chi2, dof = chi_square_p_value(counts, exact)
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
-    assert drafted >= 2 * n
+    # each run's 6 tokens came from a prefill and verify passes that each keep their accepted drafts plus one token
+    accepted = 6 * n - len(passes)
+    assert accepted > n // 2, f"only {accepted} drafted tokens were accepted in {n} runs"
 
 
 def test_a_tree_is_refused_for_a_dflash2_draft_before_compute():

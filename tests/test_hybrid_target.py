@@ -1,6 +1,6 @@
 """Hybrid targets (gated-delta linear attention plus full attention, Qwen3.5 / Qwen3-Next style) in torch: the
 recurrent state is saved before each verify pass, restored after a rejection and advanced over the accepted tokens
-only (`generation_dflash.RollbackCache`); both routes are exact at every rejection length."""
+only (`cache_dflash.RollbackCache`); both routes are exact at every rejection length."""
 
 import warnings
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-import generation_dflash
+import cache_dflash
 from conftest import VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config
-from generation_dflash import RollbackCache
+from cache_dflash import RollbackCache
 
-ROLLS_BACK = generation_dflash.LinearAttentionCacheLayerMixin is not None
+ROLLS_BACK = cache_dflash.LinearAttentionCacheLayerMixin is not None
 needs_rollback = pytest.mark.skipif(not ROLLS_BACK, reason="transformers 4.x refuses hybrid targets (tested below)")
 
 
@@ -159,7 +159,7 @@ def test_the_shipped_config_tree_yields_to_a_hybrid_target():
 
 
 def test_a_transformers_without_per_layer_linear_attention_caches_is_named(monkeypatch):
-    monkeypatch.setattr(generation_dflash, "LinearAttentionCacheLayerMixin", None)
+    monkeypatch.setattr(cache_dflash, "LinearAttentionCacheLayerMixin", None)
     target = make_qwen3_next()
     message = f"rolling it back needs transformers 5.24 or newer .* {transformers.__version__} is installed"
     with pytest.raises(ValueError, match=message):
@@ -173,6 +173,16 @@ def test_cache_layers_that_can_neither_crop_nor_roll_back_are_refused(monkeypatc
     class Opaque:
         pass
 
-    monkeypatch.setattr(generation_dflash, "DynamicCache", lambda config=None: type("C", (), {"layers": [Opaque()]})())
+    monkeypatch.setattr(cache_dflash, "DynamicCache", lambda config=None: type("C", (), {"layers": [Opaque()]})())
     with pytest.raises(ValueError, match=r"cache layers \['Opaque'\] can neither be cropped nor rolled back"):
         make_draft().spec_generate(target=make_qwen3_5(), input_ids=torch.tensor([[5, 6]]), max_new_tokens=4)
+
+
+@needs_rollback
+def test_hybrid_targets_with_sliding_window_layers_are_refused():
+    """A crop cannot bring back what a sliding layer evicted, so a rollback would not be exact."""
+    target = make_qwen3_5()
+    target.config.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    target.config.sliding_window = 16
+    with pytest.raises(ValueError, match=r"sliding-window cache layers \['DynamicSlidingWindowLayer'\] evict keys"):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, DynamicCache
 
-from conftest import HIDDEN, MASK_ID, ROOT, TARGET_LAYERS, VOCAB, make_draft, make_draft_config
+from conftest import HIDDEN, MASK_ID, ROOT, TARGET_LAYERS, VOCAB, make_draft, make_draft_config, make_target
 from configuration_dflash import DFlashConfig, build_target_layer_ids
 from modeling_dflash import DFlashDraftModel
 
@@ -175,7 +175,8 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
     assert keys == published, f"extra {keys - published}, missing {published - keys}"
     assert not any(k.startswith(("eagle_", "speculators_config", "sample_from_anchor")) for k in config)
     assert config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
-    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py", "routing_dflash.py", "tree_dflash.py"):
+    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py", "cache_dflash.py", "routing_dflash.py",
+                 "tree_dflash.py"):
         assert (tmp_path / name).exists(), name
 
 
@@ -293,3 +294,12 @@ def test_v1_fields_are_read_from_dflash_config_first_then_the_top_level(tmp_path
     assert loaded.dflash_field("output_multiplier") == 0.5  # dflash_config only
     assert loaded.dflash_field("final_logit_softcapping") == 20.0  # both: dflash_config wins
     assert make_draft_config().dflash_field("output_multiplier") is None
+
+
+def test_a_target_folder_is_refused_as_a_draft_in_one_line(tmp_path):
+    """Before transformers warns about the architecture and lists every missing weight."""
+    make_target("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^not a DFlash draft config \(model_type 'llama'\)"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a DFlash draft config"):
+        DFlashConfig.from_pretrained(tmp_path)

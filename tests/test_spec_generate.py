@@ -1,5 +1,7 @@
 """`draft.spec_generate`: exactness against plain target decoding, partial acceptance, sampling, stops and errors."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from conftest import (
     VOCAB,
     OracleDraft,
     chi_square_p_value,
+    exact_joint_distribution,
     sample_two_tokens,
     exact_two_token_distribution,
     greedy_reference,
@@ -102,6 +105,38 @@ def test_sampling_matches_target_distribution():
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
 
 
+def test_sampling_in_bfloat16_matches_target_distribution():
+    """In bf16 the one-hot rule still samples every kept token from the target's own distribution; the reference
+    is that distribution under bf16 passes over the prompt and each prefix (pooled cells; fails at p < 1e-4)."""
+    target = make_target("llama", initializer_range=0.5).to(torch.bfloat16)
+    ids = torch.tensor([[5, 6, 7]])
+    temperature = 1.0
+    n = 2000
+    exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
+    draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7).to(torch.bfloat16)
+    counts, accepted = sample_two_tokens(draft, target, ids, n, temperature)
+    assert accepted > n // 5, "the test needs drafted tokens to be accepted"
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_sampling_over_two_drafted_positions_matches_the_joint_distribution(tree_budget):
+    """Chi-square of the 2nd and 3rd new tokens, both drafted in the first round, against the target's exact joint
+    distribution (the 1st, from the prefill, summed out), through the chain and a tree."""
+    target = make_target("llama", initializer_range=0.5)
+    ids = torch.tensor([[5, 6, 7]])
+    temperature = 1.0
+    n = 2000
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    exact = exact_joint_distribution(target, ids, processors, 3).sum(0).flatten()
+    draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7)
+    counts, accepted = sample_two_tokens(draft, target, ids, n, temperature, new_tokens=3, tree_budget=tree_budget)
+    assert accepted > n // 10, "the test needs both drafted positions accepted often"
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
 @pytest.mark.parametrize("change, message", MISMATCHES)
 def test_mismatched_draft_is_refused(change, message):
     with pytest.raises(ValueError, match=message):
@@ -115,16 +150,59 @@ def test_mismatched_draft_is_refused(change, message):
         ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "prompt is empty"),
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
         ({"block_size": 1}, "block_size must be at least 2"),
+        ({"input_ids": "hello"}, "input_ids must be a tensor of token ids .* got str"),
+        ({"input_ids": [[5, 6]]}, "input_ids must be a tensor of token ids .* got list"),
+        ({"input_ids": torch.tensor([[5.0, 6.0]])}, "integer token ids, got dtype torch.float32"),
+        ({"input_ids": torch.tensor([[5, VOCAB]])}, f"input_ids must be in \\[0, {VOCAB}\\)"),
+        ({"input_ids": torch.tensor([[-1, 5]])}, "input_ids must be in"),
+        ({"input_ids": {"attention_mask": torch.ones(1, 2)}}, "mapping without an 'input_ids' entry"),
+        ({"input_ids": {"input_ids": torch.tensor([[0, 5]]), "attention_mask": torch.tensor([[0, 1]])}}, "marks padding"),
+        ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer, got 1.5"),
+        ({"block_size": 4.0}, "block_size must be an integer"),
+        ({"stop_token_ids": ["x"]}, "stop_token_ids must be a token id or a list of them"),
+        ({"target": None}, "target must be a transformers causal LM, got NoneType"),
     ],
 )
 def test_bad_arguments_fail_before_compute(kwargs, message):
     target, draft = make_target("llama"), make_draft()
     calls = []
     target.register_forward_pre_hook(lambda *a: calls.append(1))
-    args = {"input_ids": torch.tensor([[5, 6]]), "max_new_tokens": 4} | kwargs
+    args = {"target": target, "input_ids": torch.tensor([[5, 6]]), "max_new_tokens": 4} | kwargs
     with pytest.raises(ValueError, match=message):
-        draft.spec_generate(target=target, **args)
+        draft.spec_generate(**args)
     assert not calls, "the target ran before the error"
+
+
+def test_a_tokenizer_output_and_an_int_stop_token_are_accepted():
+    """What transformers 5's `apply_chat_template(..., return_tensors="pt", return_dict=True)` returns, and the
+    int `generate` accepts for its EOS."""
+    from transformers import BatchEncoding
+
+    target = make_target("llama", initializer_range=0.2)  # varied tokens: the stop token first occurs where chosen
+    ids = torch.tensor([[5, 6, 7]])
+    reference = greedy_reference(target, ids, 20)
+    stop = int(reference[0, 3 + 6])
+    assert stop not in reference[0, 3 : 3 + 6].tolist()
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, 3)
+    encoding = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    out = draft.spec_generate(target=target, input_ids=encoding, max_new_tokens=20, stop_token_ids=stop)
+    assert torch.equal(out, reference[:, : 3 + 7])
+
+
+def test_stops_at_the_targets_configured_eos_unless_told_otherwise():
+    """Omitted `stop_token_ids`: the target's `generation_config.eos_token_id`, as `generate` stops; an explicit
+    None: no stop token, as in z-lab's reference."""
+    target = make_target("llama", initializer_range=0.2)
+    ids = torch.tensor([[5, 6, 7]])
+    reference = greedy_reference(target, ids, 20)
+    eos = int(reference[0, 3 + 6])
+    assert eos not in reference[0, 3 : 3 + 6].tolist()
+    target.generation_config.eos_token_id = [VOCAB - 3, eos]
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, reference, 3)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20), plain)
+    assert plain.shape[1] == 3 + 7 and plain[0, -1] == eos
+    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, stop_token_ids=None), reference)
 
 
 def test_streamer_gets_prompt_then_each_output_token_once():
@@ -229,7 +307,8 @@ def test_one_device_to_host_transfer_per_chain_round(monkeypatch):
     stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, return_stats=True)
     monkeypatch.undo()
     assert torch.equal(stats.output_ids, expected)
-    assert transfers == ["tolist"] * (1 + len(stats.acceptance_lengths)), transfers  # the prefill's, then one per round
+    # the prompt's range check (before any compute), the prefill's, then one per round
+    assert transfers == ["tolist"] * (2 + len(stats.acceptance_lengths)), transfers
 
 
 def test_output_end_looks_at_each_token_once():
@@ -361,7 +440,7 @@ def test_static_cache_is_exact_where_it_can_be_cropped(arch, tree_budget):
 def test_bad_cache_arguments_fail_before_compute(kwargs, message):
     from transformers import DynamicCache, StaticCache
 
-    from generation_dflash import cache_kwarg
+    from cache_dflash import cache_kwarg
 
     target = make_target("llama")
     if kwargs.get("past_key_values") == "filled":
@@ -416,3 +495,18 @@ def test_compiled_verify_refuses_changing_shapes_before_compute(kwargs, message)
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=12, compile_verify=True, **kwargs)
     assert not calls and "_dflash_compiled_forward" not in target.__dict__
+
+
+def test_generation_config_settings_it_does_not_apply_are_named():
+    """`spec_generate` decodes with its own arguments; what the target's generation config sets beyond the EOS ids
+    would be silently ignored, so it is named in a warning."""
+    target = make_target("llama")
+    draft = make_draft()
+    ids = torch.tensor([[5, 6, 7]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4)  # a plain config: nothing to say
+    target.generation_config.repetition_penalty = 1.3
+    target.generation_config.suppress_tokens = [9]
+    with pytest.warns(UserWarning, match=r"does not apply the target's generation_config settings \['repetition_penalty', 'suppress_tokens'\]"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4)

@@ -10,6 +10,7 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 import generation_dflash
 from conftest import (
     VOCAB,
+    OracleDraft,
     SecondChoiceDraft,
     chi_square_p_value,
     exact_two_token_distribution,
@@ -18,8 +19,8 @@ from conftest import (
     make_draft_config,
     make_target,
 )
-from generation_dflash import cache_kwarg
-from tree_dflash import DraftTree, build_tree, compact_cache
+from cache_dflash import cache_kwarg, compact_cache
+from tree_dflash import DraftTree, build_tree
 
 
 def cached_pass(target, cache: DynamicCache, **kwargs) -> None:
@@ -230,3 +231,25 @@ def test_unsupported_tree_requests_fail_before_compute(target_kwargs, kwargs, me
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=32, **kwargs)
     assert not calls, "the target ran before the error"
+
+
+def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
+    """A config's tree is a default: for a sliding-window target the call could outgrow (or attention without a 4D
+    mask), the chain is verified, with a warning, and output stays exact; an explicit tree_budget still raises."""
+    target = make_target("mistral", sliding_window=16)
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 32)
+    lengths = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    draft = OracleDraft(make_draft_config()).eval().setup(target, expected, 3)
+    draft.config.tree_budget = 4
+    with pytest.warns(UserWarning, match="verifying the argmax chain instead of the draft config's tree of 4: .*sliding-window"):
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32)
+    assert torch.equal(out, expected) and set(lengths[1:]) == {8}, lengths  # chains of the whole block
+    with pytest.raises(ValueError, match="sliding-window mask"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32, tree_budget=4)
+    fa2 = make_target("llama")
+    fa2.config._attn_implementation_internal = "flash_attention_2"  # only read: the decision comes before any pass
+    with pytest.warns(UserWarning, match="takes a custom 4D mask"):
+        assert generation_dflash.default_tree_budget(draft, fa2, "constant") is None
+    assert generation_dflash.default_tree_budget(draft, make_target("llama"), "constant") == 4
