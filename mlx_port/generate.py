@@ -231,6 +231,7 @@ def dflash_generate_step(
     masks = [draft.mask_token_id] * (block_size - 1)
 
     def sample(logits: mx.array) -> mx.array:
+        logits = logits.astype(mx.float32)  # as transformers' generate: a bf16 model's logits sampled in float32
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def prefill(outputs: dict) -> tuple[mx.array, mx.array]:
@@ -397,10 +398,9 @@ def configure_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    from mlx_lm import load
     from mlx_lm import stream_generate as plain_stream_generate
 
-    from .utils import load_draft
+    from .utils import load, load_draft
 
     args = configure_parser().parse_args()
     if args.seed is not None:
@@ -410,21 +410,23 @@ def main() -> None:
     prompt = args.prompt
     if tokenizer.has_chat_template and not args.ignore_chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    rounds = []
     block_size = args.block_size or default_block_size(model, draft)
     sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     kwargs = dict(block_size=block_size, max_tokens=args.max_tokens, sampler=sampler)
+    responses = []
     for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         print(r.text, end="", flush=True)
-        rounds.append(r.accepted + 1)
-    tau = sum(rounds[1:]) / max(len(rounds) - 1, 1)  # the first response is the prefill's token, not a round
+        responses.append(r)
+    tau = sum(q.accepted + 1 for q in responses[1:]) / max(len(responses) - 1, 1)  # the first is the prefill's token
     print(f"\nDFlash: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec, prompt {r.prompt_tps:.3f} "
           f"tokens-per-sec, mean acceptance length {tau:.2f}, peak memory {r.peak_memory:.3f} GB")
     if args.compare:
-        for p in plain_stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler):
-            pass
+        plain = list(plain_stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler))
+        p = plain[-1]
+        identical = [t for response in responses for t in response.tokens] == [q.token for q in plain]
+        same = "identical" if identical else "different (expected when sampling)" if args.temp else "DIFFERENT"
         print(f"mlx-lm: {p.generation_tokens} tokens, {p.generation_tps:.3f} tokens-per-sec; "
-              f"DFlash speed-up {r.generation_tps / p.generation_tps:.2f}x")
+              f"DFlash speed-up {r.generation_tps / p.generation_tps:.2f}x; output {same}")
 
 
 if __name__ == "__main__":

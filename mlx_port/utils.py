@@ -1,10 +1,15 @@
-"""Loading DFlash drafts with mlx-lm's own loader (strict, and rebuilding quantized layers from the config)."""
+"""Loading DFlash drafts with mlx-lm's own loader (strict, and rebuilding quantized layers from the config), and
+targets through `mlx_lm.load` with the RoPE fields it reads."""
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from huggingface_hub import snapshot_download
+import mlx_lm
+from huggingface_hub import hf_hub_download, snapshot_download
 from mlx_lm.utils import load_model
+
+from configuration_dflash import check_draft_config
 
 from .model import DFlash2Model, Model, ModelArgs
 
@@ -19,11 +24,7 @@ def fetch_path(path_or_hf_repo: str) -> Path:
 
 def draft_classes(config: dict) -> tuple[type, type]:
     """`load_model`'s class hook; refuses configs without the DFlash fields (e.g. a target folder)."""
-    if not (config.get("dflash_config") or {}).get("target_layer_ids"):
-        raise ValueError(
-            f"not a DFlash draft config (model_type {config.get('model_type')!r}): "
-            "`dflash_config.target_layer_ids` is missing"
-        )
+    check_draft_config(config)
     return (DFlash2Model if "DFlash2DraftModel" in (config.get("architectures") or []) else Model), ModelArgs
 
 
@@ -44,3 +45,28 @@ def load_draft(path_or_hf_repo: str, *, sliding_window_size: Optional[int] = Non
     model, _ = load_draft_model(fetch_path(path_or_hf_repo))
     model.sliding_window_size = sliding_window_size
     return model
+
+
+def rope_overrides(config: dict) -> dict:
+    """The top-level `rope_theta`/`rope_scaling` that mlx-lm's older model files (llama, ...) read, taken from the
+    `rope_parameters` a transformers-5 config writes instead; empty where the config already has them."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params or "rope_theta" in config:
+        return {}
+    overrides = {"rope_theta": params["rope_theta"]}
+    if params.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+        overrides["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return overrides
+
+
+def target_config(path_or_hf_repo: str) -> dict:
+    path = Path(path_or_hf_repo)
+    file = path / "config.json" if path.exists() else Path(hf_hub_download(path_or_hf_repo, "config.json"))
+    return json.loads(file.read_text())
+
+
+def load(path_or_hf_repo: str, model_config: Optional[dict] = None, **kwargs) -> Any:
+    """`mlx_lm.load` for a target, passing the RoPE fields of a transformers-5 config where mlx-lm would miss them
+    (it would silently use base 10000); `model_config` entries win."""
+    overrides = rope_overrides(target_config(path_or_hf_repo)) | (model_config or {})
+    return mlx_lm.load(path_or_hf_repo, model_config=overrides, **kwargs)

@@ -17,7 +17,18 @@ import torch
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install mlx mlx-lm, plus mlx-cpu on Linux)")
 
-from conftest import MASK_ID, MISMATCHES, VOCAB, OracleDraft, chi_square_p_value, make_draft, make_draft_config, make_target  # noqa: E402
+from conftest import (  # noqa: E402
+    MASK_ID,
+    MISMATCHES,
+    ROOT,
+    VOCAB,
+    OracleDraft,
+    chi_square_p_value,
+    make_draft,
+    make_draft_config,
+    make_target,
+    readme_python_blocks,
+)
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import qwen3_5  # noqa: E402
@@ -33,7 +44,6 @@ from mlx_port.convert import convert  # noqa: E402
 from mlx_port.generate import LayerCapture, accepted_length, decoder_layers, target_head  # noqa: E402
 from mlx_port.model import Model, ModelArgs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
 
 
@@ -592,7 +602,7 @@ def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work
     expected = expected[: expected.index(2)] if 2 in expected else expected  # the saved tokenizer stops at w2
     assert text.split() == [f"w{t}" for t in expected], done.stdout
     assert summary.startswith("DFlash: ") and "mean acceptance length" in summary, done.stdout
-    assert plain.startswith("mlx-lm: ") and "speed-up" in plain, done.stdout
+    assert plain.startswith("mlx-lm: ") and "speed-up" in plain and plain.endswith("output identical"), done.stdout
 
 
 def test_draft_head_and_embedding_match_torch():
@@ -727,3 +737,68 @@ def test_cli_sampling_flags_and_quantized_block_default(target, draft, work, dra
     assert default_block_size(target, draft) == draft.args.block_size == 8
     quantized = load_draft(str(convert(str(draft_dir), str(work / "q-default"), quantize=True, q_bits=8, q_group_size=32)))
     assert default_block_size(target, quantized) == QUANTIZED_BLOCK_SIZE == 4
+
+
+def copy_without_top_level_rope(source: Path, destination: Path) -> Path:
+    """`source` with its config as transformers 5 writes it: the RoPE base only inside `rope_parameters`."""
+    destination.mkdir()
+    for file in source.iterdir():
+        (destination / file.name).symlink_to(file.resolve())
+    config = json.loads((source / "config.json").read_text())
+    config.pop("rope_theta")
+    (destination / "config.json").unlink()
+    (destination / "config.json").write_text(json.dumps(config))
+    return destination
+
+
+@pytest.mark.slow
+def test_real_default_target_mlx_greedy_equals_torch(tmp_path):
+    """The real default target (RoPE base 100000) decodes the same greedy tokens in MLX as in torch (fp32), through
+    stock mlx-lm on the folder as written and through `mlx_port.load` on a transformers-5 config, which stock mlx-lm's
+    llama misreads with base 10000."""
+    import mlx_lm
+
+    import mlx_port
+    from default_target import default_target_path, load_default_target
+
+    torch_target, tokenizer = load_default_target()
+    t5_dir = copy_without_top_level_rope(default_target_path(), tmp_path / "t5-config")
+    stock = mlx_lm.load(str(default_target_path()))[0]
+    port = mlx_port.load(str(t5_dir))[0]
+    misread = mlx_lm.load(str(t5_dir))[0]  # stock mlx-lm on a transformers-5 config
+    assert port.args.rope_theta == stock.args.rope_theta == 100000.0 and misread.args.rope_theta == 10000
+    differs = 0
+    for text in ["What is the capital of France?", "Explain speculative decoding in one paragraph."]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        expected = torch_target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        prompt = ids[0].tolist()
+        assert mlx_greedy(stock, prompt, 8) == expected, text
+        assert mlx_greedy(port, prompt, 8) == expected, text
+        differs += mlx_greedy(misread, prompt, 8) != expected
+    assert differs, "the misread base must change the output, or this test proves nothing"
+
+
+def test_mlx_draft_reads_rope_base_from_transformers5_config(tmp_path):
+    """The draft side: a draft config with the base only in `rope_parameters` gets that base, not mlx-lm's default."""
+    make_draft(rope_parameters={"rope_type": "default", "rope_theta": 12345.0}).save_pretrained(tmp_path / "draft")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert "rope_theta" not in config or config["rope_theta"] == 12345.0
+    config.pop("rope_theta", None)
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    assert load_draft(str(tmp_path / "draft")).args.rope_theta == 12345.0
+
+
+@pytest.mark.slow
+def test_readme_mlx_snippet_runs_as_written(monkeypatch, capsys):
+    (block,) = [b for b in readme_python_blocks() if "mlx_port" in b]
+    monkeypatch.chdir(ROOT)
+    exec(compile(block, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
+
+
+def test_cli_help_lists_the_commands():
+    done = subprocess.run([sys.executable, "-m", "mlx_port", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "convert" in done.stdout and "generate" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "mlx_port"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "usage: python -m mlx_port" in done.stderr

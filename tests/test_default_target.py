@@ -1,0 +1,30 @@
+"""`default_target`: the dtype rule the tools share, and the MLX-facing field in the converted target's config."""
+
+import json
+
+import pytest
+
+import default_target
+from default_target import add_top_level_rope_theta, resolve_dtype
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_picks_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch, native, expected):
+    monkeypatch.setattr(default_target, "cpu_multiplies_bf16", lambda: native)
+    assert resolve_dtype("auto") == expected
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
+        resolve_dtype("fp8")
+
+
+def test_this_cpus_flags_are_read():
+    flags = open("/proc/cpuinfo").read()
+    assert default_target.cpu_multiplies_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_rope_theta_is_copied_to_the_top_level(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}))
+    add_top_level_rope_theta(config)
+    assert json.loads(config.read_text())["rope_theta"] == 100000.0
+    assert not list(tmp_path.glob("*.tmp"))
