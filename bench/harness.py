@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from bench.divergence import divergence, first_difference
 from bench.methods import Context, Generation, Run, Unavailable, synchronize
 from configuration_dflash import first_stop
 
 WARMUP_TOKENS = 16
+Turn = tuple[dict, list[int], list[int]]  # a record, its output tokens and its input ids
 
 
 @dataclass
@@ -101,14 +103,15 @@ def measure_turn(ctx: Context, variant: Variant, input_ids: torch.Tensor, max_ne
     return record, tokens
 
 
-def run_conversation(ctx: Context, variant: Variant, prompt: dict, max_new_tokens: int) -> list[tuple[dict, list[int]]]:
+def run_conversation(ctx: Context, variant: Variant, prompt: dict, max_new_tokens: int) -> list[Turn]:
     """All turns of one prompt as one conversation; the method's own answers become the history."""
     messages, results = [], []
     for turn, text in enumerate(prompt["turns"]):
         messages.append({"role": "user", "content": text})
-        record, tokens = measure_turn(ctx, variant, encode(ctx.tokenizer, messages, ctx.device), max_new_tokens)
+        input_ids = encode(ctx.tokenizer, messages, ctx.device)
+        record, tokens = measure_turn(ctx, variant, input_ids, max_new_tokens)
         record.update(prompt_id=prompt["id"], turn=turn)
-        results.append((record, tokens))
+        results.append((record, tokens, input_ids[0].tolist()))
         messages.append({"role": "assistant", "content": ctx.tokenizer.decode(tokens, skip_special_tokens=True)})
     return results
 
@@ -138,22 +141,20 @@ def rotated(items: list, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (a length difference counts at the shorter end), or None if equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def mark_mismatches(ctx: Context, results: list[Turn], baseline: str) -> None:
+    """Sets `matches_plain`, `first_mismatch`, `logit_gap` and `rounding_tie` on every record (see `bench.report`).
 
-
-def mark_mismatches(results: list[tuple[dict, list[int]]], baseline: str, temperature: float) -> None:
-    """Sets `matches_plain` (and the first differing index) on every record; None when sampling."""
-    reference = {(r["prompt_id"], r["turn"]): t for r, t in results if r["method"] == baseline}
-    for record, tokens in results:
-        ref = reference.get((record["prompt_id"], record["turn"]))
-        if temperature > 0 or ref is None:
-            record["matches_plain"], record["first_mismatch"] = None, None
+    None when sampling, and for a later turn whose conversation already left the baseline's (its input differs)."""
+    reference = {(r["prompt_id"], r["turn"]): (t, i) for r, t, i in results if r["method"] == baseline}
+    for record, tokens, input_ids in results:
+        record.update(matches_plain=None, first_mismatch=None, logit_gap=None, rounding_tie=None)
+        ref_tokens, ref_input = reference.get((record["prompt_id"], record["turn"]), (None, None))
+        if ctx.temperature > 0 or ref_tokens is None or input_ids != ref_input:
             continue
-        record["matches_plain"], record["first_mismatch"] = tokens == ref, first_difference(tokens, ref)
+        record.update(matches_plain=tokens == ref_tokens, first_mismatch=first_difference(tokens, ref_tokens))
+        if tokens != ref_tokens and isinstance(ctx.target, torch.nn.Module):  # MLX targets: any difference fails
+            found = divergence(ctx.target, input_ids, tokens, ref_tokens)
+            record.update(logit_gap=found.gap, rounding_tie=found.rounding_tie)
 
 
 def run_dataset(ctx: Context, variants: list[Variant], dataset: str, prompts: list[dict], max_new_tokens: int, baseline: str) -> list[dict]:
@@ -166,8 +167,8 @@ def run_dataset(ctx: Context, variants: list[Variant], dataset: str, prompts: li
             results += run_conversation(ctx, variant, prompt, max_new_tokens)
             bar.update()
     bar.close()
-    mark_mismatches(results, baseline, ctx.temperature)
-    return [dict(record, dataset=dataset) for record, _ in results]
+    mark_mismatches(ctx, results, baseline)
+    return [dict(record, dataset=dataset) for record, _, _ in results]
 
 
 def build_variants(ctx: Context, factories: dict, methods: list[str], block_sizes: list[int], block_free: set[str]) -> tuple[list[Variant], list[dict]]:

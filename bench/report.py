@@ -1,8 +1,9 @@
 """Summaries, the printed table, the JSON file and the PNG plots.
 
-JSON schema (`schema_version` 1; keys are only ever added, under a new version):
+JSON schema (`schema_version` 2; keys are only ever added, under a new version; 2 added the divergence fields):
 - `schema_version` (int), `tool` ("bench"), `created` (UTC ISO time), `command` (argv), `exit_status` (0, or 1 when
-  any output differs from plain greedy decoding at temperature 0);
+  an output differs from plain greedy decoding at temperature 0 other than at a rounding tie in bfloat16/float16, or
+  a method asked for by name could not run);
 - `config`: the run's settings, including `seed`, `temperature`, `block_sizes`, `max_new_tokens`, `max_samples`;
 - `environment`: python, torch, transformers and mlx versions, platform, CPU threads;
 - `models`: `target` and `draft` paths (null for the embedded default) and parameter counts;
@@ -11,10 +12,15 @@ JSON schema (`schema_version` 1; keys are only ever added, under a new version):
   methods), `samples`, `output_tokens`, `seconds`, `tokens_per_second` (total tokens / total seconds), `speedup`
   (against the baseline on the same dataset), `mean_acceptance_length` (tau, counting the bonus token),
   `acceptance_histogram` (entry i counts verify steps with tau = i + 1), `mean_ttft_seconds`, `peak_rss_mib` (max
-  over calls), `mismatches` (outputs differing from the baseline; null when sampling);
+  over calls), `mismatches` (outputs differing from the baseline; null when sampling), `failures` (those not at a
+  rounding tie: every one in float32), `first_divergence` (the earliest differing token index, or null),
+  `max_logit_gap` (the largest top-2 logit gap at a divergence, or null);
 - `records`: one per dataset, method, block size, prompt and turn: `dataset`, `method`, `block_size`, `prompt_id`,
   `turn`, `input_tokens`, `output_tokens`, `seconds`, `tokens_per_second`, `ttft_seconds`, `acceptance_lengths`
-  (per verify step), `peak_rss_mib`, `output_sha1`, `matches_plain`, `first_mismatch`.
+  (per verify step), `peak_rss_mib`, `output_sha1`, `matches_plain`, `first_mismatch`, `logit_gap` (the target's
+  gap between the two tokens at the first mismatch, one full pass over the shared prefix in its dtype) and
+  `rounding_tie` (that gap is within a few ulps in bfloat16/float16; `bench.divergence`). The comparison fields are
+  null when sampling, and for a later turn whose conversation already left the baseline's.
 """
 
 import io
@@ -22,10 +28,11 @@ from collections import defaultdict
 
 from bench.io import write_bytes_atomic
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SUMMARY_KEYS = (
     "dataset", "method", "block_size", "samples", "output_tokens", "seconds", "tokens_per_second", "speedup",
-    "mean_acceptance_length", "acceptance_histogram", "mean_ttft_seconds", "peak_rss_mib", "mismatches",
+    "mean_acceptance_length", "acceptance_histogram", "mean_ttft_seconds", "peak_rss_mib", "mismatches", "failures",
+    "first_divergence", "max_logit_gap",
 )
 
 
@@ -42,7 +49,9 @@ def summarize_group(records: list[dict]) -> dict:
     first = records[0]
     lengths = [n for r in records for n in (r["acceptance_lengths"] or [])]
     ttfts = [r["ttft_seconds"] for r in records if r["ttft_seconds"] is not None]
-    matches = [r["matches_plain"] for r in records]
+    compared = [r for r in records if r["matches_plain"] is not None]
+    differing = [r for r in compared if not r["matches_plain"]]
+    gaps = [r["logit_gap"] for r in differing if r["logit_gap"] is not None]
     tokens, seconds = sum(r["output_tokens"] for r in records), sum(r["seconds"] for r in records)
     return {
         "dataset": first["dataset"], "method": first["method"], "block_size": first["block_size"],
@@ -52,7 +61,10 @@ def summarize_group(records: list[dict]) -> dict:
         "acceptance_histogram": histogram(lengths, first["block_size"]),
         "mean_ttft_seconds": sum(ttfts) / len(ttfts) if ttfts else None,
         "peak_rss_mib": max(r["peak_rss_mib"] for r in records),
-        "mismatches": None if None in matches else matches.count(False),
+        "mismatches": len(differing) if compared else None,
+        "failures": sum(not r["rounding_tie"] for r in differing) if compared else None,
+        "first_divergence": min((r["first_mismatch"] for r in differing), default=None),
+        "max_logit_gap": max(gaps, default=None),
     }
 
 
@@ -68,8 +80,9 @@ def summarize(records: list[dict], baseline: str) -> list[dict]:
     return rows
 
 
-def total_mismatches(rows: list[dict]) -> int:
-    return sum(row["mismatches"] or 0 for row in rows)
+def total_failures(rows: list[dict]) -> int:
+    """Outputs that differ from the baseline's other than at a rounding tie."""
+    return sum(row["failures"] or 0 for row in rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -80,23 +93,33 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def differ(row: dict) -> str:
+    """Outputs that differ from the baseline's (those beyond a rounding tie in brackets), or 'sampled' where sampled
+    outputs are not compared."""
+    if row["mismatches"] is None:
+        return "sampled"
+    failed = f" ({row['failures']} not ties)" if row["failures"] else ""
+    return f"{row['mismatches']}/{row['samples']}{failed}"
+
+
 def one_line(row: dict) -> str:
     """gpt-fast-style summary of one method."""
     label = row["method"] if row["block_size"] is None else f"{row['method']} (block {row['block_size']})"
     return (
         f"{row['dataset']} | {label}: {fmt(row['tokens_per_second'], '.2f')} tok/s, {fmt(row['speedup'], '.2f')}x vs plain, "
         f"acceptance length {fmt(row['mean_acceptance_length'], '.2f')}, TTFT {fmt(row['mean_ttft_seconds'], '.3f')} s, "
-        f"peak RSS {row['peak_rss_mib']:.0f} MiB, {fmt(row['mismatches'], 'd')}/{row['samples']} outputs differ"
+        f"peak RSS {row['peak_rss_mib']:.0f} MiB, outputs differing: {differ(row)}, first at token "
+        f"{fmt(row['first_divergence'], 'd')}, largest logit gap there {fmt(row['max_logit_gap'], '.3g')}"
     )
 
 
 def table(rows: list[dict]) -> str:
     """A fixed-width table of the summary rows."""
-    header = ("dataset", "method", "block", "tok/s", "speedup", "accept", "TTFT s", "RSS MiB", "differ")
+    header = ("dataset", "method", "block", "tok/s", "speedup", "accept", "TTFT s", "RSS MiB", "differ", "1st div", "max gap")
     lines = [
         (r["dataset"], r["method"], fmt(r["block_size"], "d"), fmt(r["tokens_per_second"], ".2f"), fmt(r["speedup"], ".2f"),
          fmt(r["mean_acceptance_length"], ".2f"), fmt(r["mean_ttft_seconds"], ".3f"), f"{r['peak_rss_mib']:.0f}",
-         f"{fmt(r['mismatches'], 'd')}/{r['samples']}")
+         differ(r), fmt(r["first_divergence"], "d"), fmt(r["max_logit_gap"], ".3g"))
         for r in rows
     ]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]

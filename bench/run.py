@@ -3,7 +3,9 @@
 import argparse
 import datetime
 import functools
+import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -12,32 +14,83 @@ from bench.datasets import BUILTIN, load_prompts
 from bench.harness import build_variants, run_dataset, warm_up
 from bench.io import write_json_atomic, write_text_atomic
 from bench.methods import BLOCK_FREE, TORCH_METHODS, Context
+from configuration_dflash import check_draft_config
+from default_target import DTYPES, resolve_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINE = {"torch": "plain", "mlx": "mlx-plain"}
 NO_DRAFT = {"plain", "prompt-lookup", "mlx-plain"}
 TREE = "spec-generate-tree"
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    epilog = f"methods (torch):\n  {', '.join(TORCH_METHODS)}\nmethods (mlx):\n  mlx-plain, mlx-dflash"
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="DFlash draft folder (default: this repository's root)")
     p.add_argument("--dataset", default="mt-bench", help=f"comma-separated: {', '.join(BUILTIN)} or JSONL paths")
     p.add_argument("--max-samples", type=int, default=20, help="prompts per dataset (default 20; 0 for all)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per assistant turn")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (outputs are then checked against plain)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per assistant turn (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy, the default (outputs are then checked against plain)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the draft's config)")
     p.add_argument("--sweep-block-size", help="comma-separated block sizes to compare, e.g. 2,4,8,16")
-    p.add_argument("--methods", help="comma-separated methods (default: all for the backend; the baseline is always run)")
+    p.add_argument("--methods", help="comma-separated methods, listed below (default: all for the backend; the baseline "
+                   "is always run)")
     p.add_argument("--tree-budget", default="16", help="comma-separated draft-tree budgets for spec-generate-tree (default 16)")
-    p.add_argument("--backend", choices=sorted(BASELINE), default="torch", help="torch, or mlx for the MLX port")
-    p.add_argument("--out", type=Path, default=Path("results"), help="output folder for results.json and the plots")
-    p.add_argument("--seed", type=int, default=0, help="seed reset before every generation")
-    p.add_argument("--dtype", default="float32", help="torch dtype of target and draft")
-    p.add_argument("--device", default="cpu", help="torch device of target and draft, e.g. cuda (torch backend)")
+    p.add_argument("--backend", choices=sorted(BASELINE), default="torch", help="torch (default), or mlx for the MLX port")
+    p.add_argument("--out", type=Path, default=Path("results"), help="output folder for results.json and the plots (default results)")
+    p.add_argument("--seed", type=int, default=0, help="seed reset before every generation (default 0)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="torch dtype of target and draft (default "
+                   "float32, where greedy output must be token-identical); auto: bfloat16 where the hardware multiplies "
+                   "it natively")
+    p.add_argument("--device", default="cpu", help="torch device of target and draft, e.g. cuda (torch backend; default cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def positive_ints(parser: argparse.ArgumentParser, flag: str, text: str, minimum: int) -> list[int]:
+    values = text.split(",")
+    if not all(v.isdigit() and int(v) >= minimum for v in values):
+        parser.error(f"{flag} takes comma-separated integers of at least {minimum}, got {text!r}")
+    return [int(v) for v in values]
+
+
+def check_model_path(parser: argparse.ArgumentParser, flag: str, path: str | None, draft: bool) -> None:
+    """A folder that exists (for the draft, one with a DFlash config) or a Hub id."""
+    if path is None:
+        return
+    if not Path(path).exists():
+        if not HUB_ID.fullmatch(path):
+            parser.error(f"{flag} {path}: no such folder")
+        return
+    if draft:
+        try:
+            check_draft_config(json.loads((Path(path) / "config.json").read_text()))
+        except (OSError, ValueError) as error:
+            parser.error(f"{flag} {path}: {error}")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every argument error, before any model loads, as argparse reports its own (`error: ...`, exit status 2)."""
+    if args.temperature < 0:
+        parser.error(f"--temperature must be at least 0, got {args.temperature}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.max_samples < 0:
+        parser.error(f"--max-samples must be at least 0 (0 for all), got {args.max_samples}")
+    if args.block_size is not None and args.block_size < 2:
+        parser.error(f"--block-size must be at least 2, got {args.block_size}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    args.sweep_block_size = args.sweep_block_size and positive_ints(parser, "--sweep-block-size", args.sweep_block_size, 2)
+    args.tree_budget = positive_ints(parser, "--tree-budget", args.tree_budget, 1)
+    args.dtype = resolve_dtype(args.dtype, args.device)
+    check_model_path(parser, "--target", args.target, draft=False)
+    check_model_path(parser, "--draft", args.draft, draft=True)
 
 
 def method_table(backend: str, tree_budgets: list[int]) -> dict:
@@ -48,13 +101,6 @@ def method_table(backend: str, tree_budgets: list[int]) -> dict:
         return MLX_METHODS
     table = {name: factory for name, factory in TORCH_METHODS.items() if name != TREE}
     return table | {f"{TREE}{n}": functools.partial(TORCH_METHODS[TREE], tree_budget=n) for n in tree_budgets}
-
-
-def tree_budgets(args: argparse.Namespace) -> list[int]:
-    budgets = args.tree_budget.split(",")
-    if not all(b.isdigit() and int(b) >= 1 for b in budgets):
-        raise SystemExit(f"--tree-budget takes positive node counts, got {args.tree_budget}")
-    return [int(b) for b in budgets]
 
 
 def selected_methods(args: argparse.Namespace, factories: dict) -> list[str]:
@@ -127,7 +173,7 @@ def environment() -> dict:
 
 def block_sizes(args: argparse.Namespace, draft) -> list[int]:
     if args.sweep_block_size:
-        return [int(b) for b in args.sweep_block_size.split(",")]
+        return args.sweep_block_size
     config = getattr(draft, "config", None) or getattr(draft, "args", None)  # torch config, or the MLX port's ModelArgs
     return [args.block_size or getattr(config, "block_size", None) or 16]
 
@@ -159,7 +205,7 @@ def write_outputs(out: Path, result: dict) -> None:
 
 def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
     """Loads models, measures every method on every dataset and returns the JSON-ready result."""
-    factories = method_table(args.backend, tree_budgets(args))
+    factories = method_table(args.backend, args.tree_budget)
     methods = selected_methods(args, factories)
     need_draft = any(m not in NO_DRAFT for m in methods)
     load = load_mlx_models if args.backend == "mlx" else load_torch_models
@@ -177,7 +223,9 @@ def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
     return {
         "schema_version": report.SCHEMA_VERSION, "tool": "bench",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": ["python", "-m", "bench", *argv], "exit_status": int(report.total_mismatches(summary) > 0),
+        "command": ["python", "-m", "bench", *argv],
+        # a method asked for by name that could not run fails the run, as a differing output does
+        "exit_status": int(report.total_failures(summary) > 0 or bool(args.methods and skipped + failed)),
         "config": run_config(args, sizes, methods), "environment": environment(),
         "models": {"target": args.target, "draft": args.draft, "target_parameters": parameter_count(target), "draft_parameters": parameter_count(draft)},
         "skipped": skipped + failed, "summary": summary, "records": records,
@@ -197,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(result["summary"]))
     for row in result["summary"]:
         print(report.one_line(row))
-    if result["exit_status"]:
-        print(f"FAIL: {report.total_mismatches(result['summary'])} output(s) differ from plain greedy decoding", file=sys.stderr)
+    if failures := report.total_failures(result["summary"]):
+        print(f"FAIL: {failures} output(s) differ from plain greedy decoding other than at a rounding tie", file=sys.stderr)
+    if args.methods and result["skipped"]:
+        names = sorted({s["method"] for s in result["skipped"]})
+        print(f"FAIL: requested method(s) {', '.join(names)} could not run (reasons above and in results.json)", file=sys.stderr)
     print(f"wrote {args.out / 'results.json'}, summary.txt, acceptance_histogram.png, speedup.png")
     return result["exit_status"]

@@ -1,8 +1,9 @@
-"""Per-round costs behind DFlash's speed on this machine, measured on real decode rounds of the default target and
-the shipped draft: a plain decode step, then for each block size a round's draft step (its layers on the newly
-committed features with its cache, and its head), the verify pass, and the cache crop.
+"""Per-round costs behind DFlash's speed on this machine, measured on real decode rounds of a target (default: the
+embedded one) and a draft (default: the shipped one): the verify-cost curve (one target pass over n new tokens and
+the crop back; n = 1 is a plain decode step), then for each block size a round's draft step (its layers on the newly
+committed features with its cache, and its head over its `draft_vocab`), the verify pass, and the cache crop.
 
-    python -m bench.step_costs [--threads 2] [--repeats 10] [--context 64] [--accepted 2]
+    python -m bench.step_costs [--dtype auto] [--threads 2] [--repeats 10] [--context 64] [--accepted 2]
 """
 
 import argparse
@@ -12,8 +13,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from default_target import load_default_target
-from generation_dflash import LayerFeatures, cache_kwarg, draft_embedding, draft_head, draft_step, drop_last
+from default_target import DTYPES, load_default_target, resolve_dtype
+from cache_dflash import cache_kwarg, drop_last
+from generation_dflash import LayerFeatures, draft_embedding, draft_head, draft_step
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,9 +29,16 @@ def mean_ms(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1000
 
 
+def random_ids(target, length: int) -> torch.Tensor:
+    """Ordinary tokens (ids 100-999 where the vocabulary has them)."""
+    vocab = target.get_input_embeddings().num_embeddings
+    return torch.randint(min(100, vocab // 2), min(1000, vocab), (1, length))
+
+
 def prefilled(target, draft, context: int, new: int):
     """Both caches after `context` committed tokens, the draft's holding all but the `new` last features."""
-    name, ids = cache_kwarg(target), torch.randint(100, 1000, (1, context + 1))
+    name = cache_kwarg(target)
+    ids = random_ids(target, context + 1)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     with LayerFeatures(target, draft.config.target_layer_ids) as features:
         target(input_ids=ids[:, :context], use_cache=True, **{name: target_cache})
@@ -42,7 +51,8 @@ def prefilled(target, draft, context: int, new: int):
 
 def verify_ms(target, target_cache, block: int, repeats: int) -> float:
     """Milliseconds of a target pass over `block` new tokens and the crop back; one token is a plain decode step."""
-    name, verify_ids = cache_kwarg(target), torch.randint(100, 1000, (1, block))
+    name = cache_kwarg(target)
+    verify_ids = random_ids(target, block)
 
     def verify_and_crop():
         target(input_ids=verify_ids, use_cache=True, **{name: target_cache}).logits.argmax(-1).tolist()
@@ -63,19 +73,35 @@ def round_costs(target, draft, block: int, context: int, accepted: int, repeats:
     return {"draft": mean_ms(timed_draft, repeats), "verify": verify_ms(target, target_cache, block, repeats)}
 
 
+def load_target(path: str | None, dtype: str):
+    if path is None:
+        return load_default_target(dtype)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
 @torch.inference_mode()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--context", type=int, default=64, help="committed tokens before the round")
     parser.add_argument("--accepted", type=int, default=1, help="drafted tokens the previous round kept")
-    args = parser.parse_args()
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of target and draft; auto: bfloat16 where "
+                        "the hardware multiplies it natively (default float32)")
+    parser.add_argument("--target", help="target folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", default=str(ROOT), help="draft folder (default: this repository's root)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target, _ = load_default_target()
-    draft = DFlashDraftModel.from_pretrained(ROOT).eval()
-    step = verify_ms(target, prefilled(target, draft, args.context, 1)[0], 1, args.repeats)
-    print(f"plain decode step: {step:.1f} ms (context {args.context})")
+    dtype = resolve_dtype(args.dtype)
+    target = load_target(args.target, dtype)
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype).eval()
+    cache = prefilled(target, draft, args.context, 1)[0]
+    curve = {n: verify_ms(target, cache, n, args.repeats) for n in (1, 2, 4, 8, 16, 32)}
+    step = curve[1]
+    print(f"{dtype}, context {args.context}: one target pass over n new tokens and the crop back, ms (x decode step)")
+    print("  ".join(f"n={n}: {ms:.1f} ({ms / step:.2f}x)" for n, ms in curve.items()))
     for block in (4, 8, 16):
         costs = round_costs(target, draft, block, args.context, args.accepted, args.repeats)
         total = costs["draft"] + costs["verify"]

@@ -1,23 +1,30 @@
 """The main job: stream a DFlash generation on the embedded default, then time plain decoding of the same prompt.
 
-    python -m demo "Explain speculative decoding in one paragraph." [--max-new-tokens 128] [--block-size B]
+    python -m demo "Explain speculative decoding in one paragraph." [--max-new-tokens 128] [--block-size B] [--dtype D]
+
+In float32 DFlash's greedy output is token-identical to plain decoding. In bfloat16 (the default where the hardware
+multiplies it natively) a pass over several tokens rounds differently from several one-token passes, so the two may
+part where the target's top two logits are within rounding of each other; the demo says where and by how much.
 """
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModel, TextStreamer
 
-from default_target import load_default_target
+from configuration_dflash import check_draft_config
+from bench.divergence import divergence
+from default_target import DTYPES, load_default_target, resolve_dtype
 from generation_dflash import default_tree_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default="Explain speculative decoding in one paragraph.")
     parser.add_argument("--draft", default=str(ROOT), help="DFlash draft folder (default: this repo)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -25,7 +32,32 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size-schedule", choices=["constant", "heuristic"], default="constant")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
-    return parser.parse_args()
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto (default): bfloat16 where the hardware multiplies it natively, else float32, the "
+                             "token-exact mode")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every argument error before any model loads, as argparse reports its own (`error: ...`, exit status 2)."""
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be at least 0, got {args.temperature}")
+    if args.block_size is not None and args.block_size < 2:
+        parser.error(f"--block-size must be at least 2, got {args.block_size}")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    if not args.prompt.strip():
+        parser.error("the prompt is empty")
+    try:
+        check_draft_config(json.loads((Path(args.draft) / "config.json").read_text()))
+    except FileNotFoundError:
+        parser.error(f"--draft {args.draft}: no DFlash draft folder there (no config.json)")
+    except ValueError as error:
+        parser.error(f"--draft {args.draft}: {error}")
 
 
 def timed(fn):
@@ -34,35 +66,62 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
+def plain_generate(target, tokenizer, ids, max_new_tokens: int, temperature: float) -> torch.Tensor:
+    return target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+        temperature=temperature or None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+
+
+def comparison(target, ids, ours: torch.Tensor, plain: torch.Tensor, dtype: str, temperature: float) -> str:
+    """How DFlash's output relates to plain decoding's, and why where they part."""
+    if temperature > 0:
+        return "sampled (the same distribution as plain decoding, not the same tokens)"
+    prompt_len = ids.shape[1]
+    found = divergence(target, ids[0].tolist(), ours[0, prompt_len:].tolist(), plain[0, prompt_len:].tolist())
+    if found is None:
+        return f"identical to plain greedy ({dtype})"
+    if found.rounding_tie:
+        return f"differs from plain greedy at {found.describe()}; --dtype float32 gives token-identical output"
+    return f"differs from plain greedy at {found.describe()}: a bug, please report it"
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_default_target()
-    draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True).eval()
+    dtype = resolve_dtype(args.dtype)
+    target, tokenizer = load_default_target(dtype)
+    draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).eval()
     args.block_size = args.block_size or draft.config.block_size
     tree_budget = default_tree_budget(draft, target, args.block_size_schedule)
     messages = [{"role": "user", "content": args.prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], temperature=args.temperature)
     draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, block_size=args.block_size)  # warm-up
+    why = " (auto: this machine multiplies bf16 natively)" if args.dtype == "auto" and dtype != "float32" else ""
+    print(f"dtype {dtype}{why}", flush=True)
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     stats, dflash_s = timed(lambda: draft.spec_generate(
         target=target, input_ids=ids, block_size=args.block_size, block_size_schedule=args.block_size_schedule,
         return_stats=True, streamer=streamer, **common))
-    plain, plain_s = timed(lambda: target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-        temperature=args.temperature or None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id))
+    plain, plain_s = timed(lambda: plain_generate(target, tokenizer, ids, args.max_new_tokens, args.temperature))
     plain_new = plain.shape[1] - ids.shape[1]
     dflash_tps, plain_tps = stats.num_output_tokens / dflash_s, plain_new / plain_s
-    same = "identical to plain greedy" if torch.equal(stats.output_ids, plain) else "differs from plain decoding"
-    print(
+    lines = [
         f"\nDFlash: {stats.num_output_tokens} tokens in {dflash_s:.2f} s = {dflash_tps:.1f} tok/s, "
         f"mean acceptance length {stats.mean_acceptance_length:.2f} (block {args.block_size}, {args.block_size_schedule}"
-        f"{f', tree of {tree_budget}' if tree_budget else ''})"
-        f"\nplain:  {plain_new} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s"
-        f"\nspeedup {dflash_tps / plain_tps:.2f}x; output {same if args.temperature == 0 else 'sampled'}"
-    )
+        f"{f', tree of {tree_budget}' if tree_budget else ''}, {dtype})",
+        f"plain:  {plain_new} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s ({dtype})",
+    ]
+    if dtype != "float32":  # the exact mode's speed too, so both gains show
+        exact_target, _ = load_default_target("float32")
+        plain_generate(exact_target, tokenizer, ids, 4, args.temperature)  # warm-up
+        exact, exact_s = timed(lambda: plain_generate(exact_target, tokenizer, ids, args.max_new_tokens, args.temperature))
+        exact_new = exact.shape[1] - ids.shape[1]
+        lines.append(f"plain:  {exact_new} tokens in {exact_s:.2f} s = {exact_new / exact_s:.1f} tok/s (float32)")
+    lines.append(f"speedup {dflash_tps / plain_tps:.2f}x over plain {dtype}; output "
+                 f"{comparison(target, ids, stats.output_ids, plain, dtype, args.temperature)}")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

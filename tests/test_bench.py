@@ -12,7 +12,7 @@ from bench.datasets import EXPECTED_COUNTS, load_prompts
 from bench.harness import first_difference, truncate
 from bench.methods import Generation, TargetTracer
 from bench.run import main
-from conftest import VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
+from conftest import ROOT, VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
 
 CHARS = " abcdefghijklmnopqrstuvwxyz.,?!'\n<>/0123456789"
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -84,12 +84,13 @@ def test_end_to_end_lossless(sweep_result):
 
 def test_json_schema_is_stable(sweep_result):
     _, _, result = sweep_result
-    assert result["schema_version"] == report.SCHEMA_VERSION == 1
+    assert result["schema_version"] == report.SCHEMA_VERSION == 2
     assert set(result) == {"schema_version", "tool", "created", "command", "exit_status", "config", "environment", "models", "skipped", "summary", "records"}
     assert set(result["summary"][0]) == set(report.SUMMARY_KEYS)
     assert set(result["records"][0]) == {
         "dataset", "method", "block_size", "prompt_id", "turn", "input_tokens", "output_tokens", "seconds", "tokens_per_second",
         "ttft_seconds", "acceptance_lengths", "peak_rss_mib", "output_sha1", "matches_plain", "first_mismatch",
+        "logit_gap", "rounding_tie",
     }
     assert result["config"]["seed"] == 0 and result["config"]["block_sizes"] == [2, 4]
     # three turns (two-turn prompt plus one-turn prompt) per method and block size
@@ -123,6 +124,10 @@ def test_mismatch_exits_nonzero(model_dirs, prompts_file, tmp_path, monkeypatch,
     wrong = [r for r in result["records"] if r["method"] == "wrong"]
     assert status == 1 and result["exit_status"] == 1
     assert all(r["matches_plain"] is False and r["first_mismatch"] == 2 for r in wrong)
+    assert all(r["logit_gap"] > 0 and r["rounding_tie"] is False for r in wrong)  # float32: never a tie
+    row = next(r for r in result["summary"] if r["method"] == "wrong")
+    assert row["failures"] == row["mismatches"] == row["samples"] and row["first_divergence"] == 2
+    assert row["max_logit_gap"] == max(r["logit_gap"] for r in wrong)
     assert "FAIL" in capsys.readouterr().err
 
 
@@ -190,8 +195,109 @@ def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path):
     assert rows["mlx-dflash"]["mismatches"] == 0 and rows["mlx-plain"]["mean_acceptance_length"] == 1.0
 
 
-@pytest.mark.parametrize("budgets", ["4,x", "0", "2.5"])
-def test_bad_tree_budget_is_a_one_line_error(model_dirs, prompts_file, tmp_path, budgets):
-    with pytest.raises(SystemExit, match="--tree-budget takes positive node counts"):
-        main(bench_args(model_dirs, prompts_file, tmp_path, "--methods", "spec-generate-tree", "--tree-budget", budgets))
+BAD_ARGS = [
+    (["--tree-budget", "4,x"], "--tree-budget takes comma-separated integers of at least 1"),
+    (["--tree-budget", "0"], "--tree-budget takes"),
+    (["--tree-budget", "2.5"], "--tree-budget takes"),
+    (["--sweep-block-size", "1,x"], "--sweep-block-size takes comma-separated integers of at least 2"),
+    (["--temperature", "-1"], "--temperature must be at least 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--block-size", "1"], "--block-size must be at least 2"),
+    (["--target", "/no/such/target"], "--target /no/such/target: no such folder"),
+    (["--draft", "/no/such/draft"], "--draft /no/such/draft: no such folder"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_ARGS)
+def test_bad_arguments_are_one_line_errors_before_loading(model_dirs, prompts_file, tmp_path, capsys, monkeypatch, extra, message):
+    monkeypatch.setattr("bench.run.load_torch_models", lambda *a: pytest.fail("models loaded before the arguments were checked"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(bench_args(model_dirs, prompts_file, tmp_path, "--methods", "spec-generate-tree", *extra))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"error: {message}" in err and "Traceback" not in err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_target_folder_as_the_draft_is_named(model_dirs, prompts_file, tmp_path, capsys):
+    target, _ = model_dirs
+    with pytest.raises(SystemExit) as exit_info:
+        main(bench_args(model_dirs, prompts_file, tmp_path) + ["--draft", str(target)])
+    assert exit_info.value.code == 2 and "not a DFlash draft config (model_type 'llama')" in capsys.readouterr().err
+
+
+def test_a_requested_method_that_cannot_run_fails_the_run(model_dirs, prompts_file, tmp_path, monkeypatch, capsys):
+    def unavailable(ctx, block_size):
+        raise methods.Unavailable("not here")
+
+    monkeypatch.setitem(methods.TORCH_METHODS, "unavailable", unavailable)
+    status = main(bench_args(model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "unavailable"))
+    assert status == 1 and json.loads((tmp_path / "results.json").read_text())["exit_status"] == 1
+    assert "requested method(s) unavailable could not run" in capsys.readouterr().err
+
+
+def test_sampled_outputs_say_so_in_the_differ_column(model_dirs, prompts_file, tmp_path, capsys):
+    assert main(bench_args(model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "spec-generate",
+                           "--temperature", "0.7")) == 0
+    out = capsys.readouterr().out
+    assert "sampled" in out and "-/" not in out
+
+
+def test_readme_lists_every_method():
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in [*methods.TORCH_METHODS, "mlx-plain", "mlx-dflash"])
+
+
+def test_help_lists_the_methods_and_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "usage: python -m bench" in out
+    assert all(name in out for name in methods.TORCH_METHODS) and "(default 256)" in out and "(default: None)" not in out
+
+
+def test_bfloat16_divergences_fail_only_beyond_a_rounding_tie(model_dirs, prompts_file, tmp_path, monkeypatch):
+    """The exit rule in reduced precision: a divergence at a rounding tie passes, any other fails (in float32 every
+    divergence fails, tested above)."""
+    from bench import harness
+    from bench.divergence import Divergence
+
+    monkeypatch.setitem(methods.TORCH_METHODS, "wrong", wrong_method)
+    argv = bench_args(model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "wrong", "--dtype", "bfloat16")
+    monkeypatch.setattr(harness, "divergence", lambda *a: Divergence(2, 0.125, 0.0625, "bfloat16"))  # 2 ulps
+    assert main(argv) == 0
+    row = next(r for r in json.loads((tmp_path / "results.json").read_text())["summary"] if r["method"] == "wrong")
+    assert row["mismatches"] == row["samples"] and row["failures"] == 0 and row["max_logit_gap"] == 0.125
+    monkeypatch.setattr(harness, "divergence", lambda *a: Divergence(2, 2.0, 0.0625, "bfloat16"))  # 32 ulps
+    assert main(argv) == 1
+
+
+def test_divergence_measures_the_gap_under_one_full_pass():
+    from bench.divergence import TIE_ULPS, Divergence, divergence, ulp
+
+    target = make_target("llama", initializer_range=0.2)
+    prompt = [5, 6, 7]
+    plain = greedy_reference(target, torch.tensor([prompt]), 6)[0, 3:].tolist()
+    assert divergence(target, prompt, plain, plain) is None
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + plain[:2]])).logits[0, -1]
+    other = int(logits.argsort()[-2])  # the target's second choice at token 2
+    found = divergence(target, prompt, plain[:2] + [other], plain)
+    assert found.index == 2 and found.gap == pytest.approx(float(logits.max() - logits[other]), abs=1e-5)
+    assert not found.rounding_tie  # float32 never ties
+    assert Divergence(2, TIE_ULPS * 0.125, 0.125, "bfloat16").rounding_tie
+    assert not Divergence(2, TIE_ULPS * 0.125 + 0.01, 0.125, "bfloat16").rounding_tie
+    assert ulp(20.0, torch.bfloat16) == 0.125 and ulp(0.3, torch.bfloat16) == 2**-7
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_costs_prints_the_verify_curve_and_round_costs(model_dirs, capsys, dtype):
+    from bench import step_costs
+
+    target, draft = model_dirs
+    threads = torch.get_num_threads()
+    step_costs.main(["--target", str(target), "--draft", str(draft), "--dtype", dtype, "--repeats", "1", "--context", "8",
+                     "--threads", "1"])
+    torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert out.startswith(f"{dtype}, context 8") and "n=32:" in out and "(1.00x)" in out
+    assert all(f"block {b:2d} round: draft" in out for b in (4, 8, 16))

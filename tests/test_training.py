@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 from conftest import MASK_ID, ROOT, TARGET_LAYERS, VOCAB, greedy_reference, make_draft, make_target
+from configuration_dflash import DFlashConfig
+from modeling_dflash import DFlashDraftModel
 
 from training import (
     TrainConfig,
@@ -145,6 +147,28 @@ def test_loss_vocabulary_keeps_the_most_frequent_response_tokens():
     assert torch.isfinite(loss) and 0 <= metrics["accuracy_1"] <= 1
 
 
+class Wrapped(torch.nn.Module):
+    """What DDP makes of the draft under `accelerate launch` with several processes: no `.config`, the draft at
+    `.module`, and `forward` passed through."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_block_loss_takes_a_wrapped_draft():
+    target = make_target("llama", initializer_range=0.2)
+    draft = tiny_draft(target)
+    batch = collate(random_sequences(2), 0)
+    kwargs = dict(num_anchors=4, weights=loss_weights(4, 4.0), distill_weight=0.5)
+    plain, _ = block_loss(draft, target, batch, generator=torch.Generator().manual_seed(0), **kwargs)
+    wrapped, _ = block_loss(Wrapped(draft), target, batch, generator=torch.Generator().manual_seed(0), **kwargs)
+    assert torch.equal(plain, wrapped)
+
+
 class TeacherOracle(torch.nn.Module):
     """A "draft" whose hidden state at block position p is the target's own final hidden state at p - 1, so the
     shared head gives exactly the target's next-token choice there."""
@@ -228,6 +252,16 @@ def test_init_from_a_draft_folder_starts_from_its_weights(tmp_path):
         initial_draft(parse_args(["--output", "o", "--init", str(tmp_path / "nowhere")]), target)
 
 
+def test_cli_reports_its_refusals_in_one_line(tmp_path, capsys):
+    from training.__main__ import cli
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    assert cli(["--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "python -m training: error: output folder" in err and "refusing to overwrite" in err and "Traceback" not in err
+
+
 def test_cached_responses_only_selects_what_the_cache_holds(tmp_path):
     from training.__main__ import cached_examples
 
@@ -258,8 +292,13 @@ def test_export_refuses_a_draft_that_scores_below_the_shipped_one(tmp_path):
     with pytest.raises(SystemExit, match="scores 1.200, below the shipped draft's 1.500; nothing was replaced"):
         install_if_better(worse, repo, score)
     assert (repo / "model.safetensors").read_bytes() == shipped
+    shipped_config = DFlashConfig.from_pretrained(repo)
+    shipped_config.tree_budget = 4  # a decode setting chosen by measurement, which a re-export must keep
+    shipped_config.save_pretrained(repo)
     assert install_if_better(worse, repo, score, force=True) == {"new": 1.2, "shipped": 1.5}
-    assert json.loads((repo / "config.json").read_text())["num_hidden_layers"] == 1
+    installed = json.loads((repo / "config.json").read_text())
+    assert installed["num_hidden_layers"] == 1 and installed["dflash_config"]["tree_budget"] == 4
+    assert DFlashDraftModel.from_pretrained(repo).config.block_size == 8
     assert seen[-2:] == [(1, 8), (2, 8)]  # the shipped draft (block 4) is scored at the new draft's block size
     with pytest.raises(SystemExit, match="not a DFlash model repo"):
         install_if_better(better, tmp_path, score)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from default_target import DTYPES, load_default_target, resolve_dtype
 from generation_dflash import check_draft_fits_target
 from modeling_dflash import DFlashDraftModel
 
@@ -84,8 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--seed", type=int, default=defaults.seed)
     o.add_argument("--allow-changed-settings", action="store_true",
                    help="resume a run dir whose checkpoint was written with other settings or data")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the target's dtype for regeneration and its frozen passes (the draft trains in float32)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the target's dtype for regeneration and its frozen passes (the draft trains in float32); "
+                        "auto: bfloat16 where the hardware multiplies it natively")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--measure-tau", action="store_true", help="at the end, run greedy spec_generate on the held-out prompts")
     p.add_argument("--measure-max-new-tokens", type=int, default=96, help="tokens per prompt for --measure-tau")
@@ -95,9 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_target(name: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
     if name == "default":
-        from default_target import load_default_target
-
         return load_default_target(dtype)
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
 
@@ -206,5 +207,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli(argv=None) -> int:
+    """`main` with the tool's own refusals (bad settings, folders, data) as one line, as argparse reports its errors."""
+    try:
+        return main(argv)
+    except (ValueError, FileExistsError) as error:
+        print(f"python -m training: error: {error}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

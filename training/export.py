@@ -19,6 +19,7 @@ from modeling_dflash import DFlashDraftModel
 from .trainer import DRAFT_FILES, install_weights
 
 logger = logging.getLogger(__name__)
+DECODE_SETTINGS = ("tree_budget",)
 
 
 def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftModel], float], *, force: bool = False) -> dict:
@@ -29,13 +30,22 @@ def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftM
     scores = {"new": score(new)}
     if all((repo / name).exists() for name in DRAFT_FILES):
         shipped = DFlashDraftModel.from_pretrained(repo).eval()
+        keep_decode_settings(new.config, shipped.config)
         shipped.config.block_size = new.config.block_size  # same blocks for both: a shipped config may serve smaller ones
         scores["shipped"] = score(shipped)
         if scores["new"] < scores["shipped"] and not force:
             raise SystemExit(f"{draft_dir} scores {scores['new']:.3f}, below the shipped draft's {scores['shipped']:.3f}; "
                              "nothing was replaced (--force installs it anyway)")
-    install_weights(draft_dir, repo)
+    install_weights(draft_dir, repo, new.config)
     return scores
+
+
+def keep_decode_settings(new, shipped) -> None:
+    """Settings chosen by measuring decoding, not by training (`DECODE_SETTINGS`): the repo's stay unless the new
+    draft's config sets its own."""
+    for name in DECODE_SETTINGS:
+        if getattr(new, name) is None and getattr(shipped, name) is not None:
+            setattr(new, name, getattr(shipped, name))
 
 
 def held_out_score(args: argparse.Namespace) -> Callable[[DFlashDraftModel], float]:

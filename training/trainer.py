@@ -208,7 +208,8 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     Returns the loss and metrics: `accuracy_1` (first drafted token right) and `tau` (teacher-forced acceptance
     length, bonus included, over blocks with all labels inside the sequence). `target_out` reuses a `target_pass`.
     """
-    config = getattr(draft, "module", draft).config  # unwrapped config under DDP
+    unwrapped = getattr(draft, "module", draft)  # DDP wraps the draft: its config and embedding are on `.module`
+    config = unwrapped.config
     block, device = config.block_size, batch["input_ids"].device
     input_ids, lengths = batch["input_ids"], batch["lengths"]
     features, final_hidden = target_out or target_pass(target, input_ids, lengths, config.target_layer_ids)
@@ -223,7 +224,7 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1).flatten(1)
     head_weight, head_bias, vocab = frozen_head(target, vocab)
     with torch.no_grad():
-        noise = draft_embedding(draft, target)(tokens.flatten(1))
+        noise = draft_embedding(unwrapped, target)(tokens.flatten(1))
         gathered = final_hidden.gather(1, source[..., None].expand(-1, -1, final_hidden.shape[-1]))
         teacher = torch.nn.functional.linear(gathered, head_weight, head_bias).float().view(b, m, block - 1, -1)
     if label_source == "target" and vocab is None:
@@ -363,11 +364,15 @@ def save_draft(draft: DFlashDraftModel, output: Path, *, overwrite: bool = False
     return output
 
 
-def install_weights(draft_dir: Path, repo_root: Path) -> None:
-    """Moves just `config.json` and `model.safetensors` of a saved draft into a model repo (each an atomic rename)."""
+def install_weights(draft_dir: Path, repo_root: Path, config=None) -> None:
+    """Moves just `config.json` (or `config`, written in its place) and `model.safetensors` of a saved draft into a
+    model repo, each by an atomic rename."""
     for name in sorted(DRAFT_FILES):
         tmp = repo_root / f".{name}.tmp"
-        shutil.copyfile(draft_dir / name, tmp)
+        if name == "config.json" and config is not None:
+            config.to_json_file(tmp)
+        else:
+            shutil.copyfile(draft_dir / name, tmp)
         os.replace(tmp, repo_root / name)
 
 
