@@ -3,9 +3,7 @@
 import argparse
 import datetime
 import functools
-import json
 import platform
-import re
 import sys
 from pathlib import Path
 
@@ -13,15 +11,14 @@ from bench import report
 from bench.datasets import BUILTIN, load_prompts
 from bench.harness import build_variants, run_dataset, warm_up
 from bench.io import write_json_atomic, write_text_atomic
+from bench.checks import check_decoding_args, check_model_path
 from bench.methods import BLOCK_FREE, TORCH_METHODS, Context
-from configuration_dflash import check_draft_config
 from default_target import DTYPES, resolve_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINE = {"torch": "plain", "mlx": "mlx-plain"}
 NO_DRAFT = {"plain", "prompt-lookup", "mlx-plain"}
 TREE = "spec-generate-tree"
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,33 +56,11 @@ def positive_ints(parser: argparse.ArgumentParser, flag: str, text: str, minimum
     return [int(v) for v in values]
 
 
-def check_model_path(parser: argparse.ArgumentParser, flag: str, path: str | None, draft: bool) -> None:
-    """A folder that exists (for the draft, one with a DFlash config) or a Hub id."""
-    if path is None:
-        return
-    if not Path(path).exists():
-        if not HUB_ID.fullmatch(path):
-            parser.error(f"{flag} {path}: no such folder")
-        return
-    if draft:
-        try:
-            check_draft_config(json.loads((Path(path) / "config.json").read_text()))
-        except (OSError, ValueError) as error:
-            parser.error(f"{flag} {path}: {error}")
-
-
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every argument error, before any model loads, as argparse reports its own (`error: ...`, exit status 2)."""
-    if args.temperature < 0:
-        parser.error(f"--temperature must be at least 0, got {args.temperature}")
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_decoding_args(parser, args)
     if args.max_samples < 0:
         parser.error(f"--max-samples must be at least 0 (0 for all), got {args.max_samples}")
-    if args.block_size is not None and args.block_size < 2:
-        parser.error(f"--block-size must be at least 2, got {args.block_size}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
     args.sweep_block_size = args.sweep_block_size and positive_ints(parser, "--sweep-block-size", args.sweep_block_size, 2)
     args.tree_budget = positive_ints(parser, "--tree-budget", args.tree_budget, 1)
     args.dtype = resolve_dtype(args.dtype, args.device)

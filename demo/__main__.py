@@ -8,14 +8,13 @@ part where the target's top two logits are within rounding of each other; the de
 """
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModel, TextStreamer
 
-from configuration_dflash import check_draft_config
+from bench.checks import check_decoding_args, check_model_path
 from bench.divergence import divergence
 from default_target import DTYPES, load_default_target, resolve_dtype
 from generation_dflash import default_tree_budget
@@ -42,22 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every argument error before any model loads, as argparse reports its own (`error: ...`, exit status 2)."""
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        parser.error(f"--temperature must be at least 0, got {args.temperature}")
-    if args.block_size is not None and args.block_size < 2:
-        parser.error(f"--block-size must be at least 2, got {args.block_size}")
-    if args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
+    check_decoding_args(parser, args)
     if not args.prompt.strip():
         parser.error("the prompt is empty")
-    try:
-        check_draft_config(json.loads((Path(args.draft) / "config.json").read_text()))
-    except FileNotFoundError:
-        parser.error(f"--draft {args.draft}: no DFlash draft folder there (no config.json)")
-    except ValueError as error:
-        parser.error(f"--draft {args.draft}: {error}")
+    check_model_path(parser, "--draft", args.draft, draft=True)
 
 
 def timed(fn):

@@ -9,7 +9,7 @@ BAD = [
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--temperature", "-1"], "--temperature must be at least 0"),
     (["--block-size", "1"], "--block-size must be at least 2"),
-    (["--draft", "/nonexistent"], "--draft /nonexistent: no DFlash draft folder there"),
+    (["--draft", "/nonexistent"], "--draft /nonexistent: no such folder"),
     (["  "], "the prompt is empty"),
 ]
 
