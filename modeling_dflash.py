@@ -21,12 +21,15 @@ try:
     from .generation_dflash import refuse_generate as _refuse_generate
     from .generation_dflash import spec_generate as _spec_generate
     from .routing_dflash import assisted_generate as _assisted_generate
-    from .tree_dflash import DraftTree  # imported here too: transformers 4.x copies a local repo's direct imports only
+    # imported here too: transformers 4.x copies a local repo's direct imports only
+    from .cache_dflash import RollbackCache
+    from .tree_dflash import DraftTree
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from configuration_dflash import DFlashConfig, dflash2_settings
     from generation_dflash import refuse_generate as _refuse_generate
     from generation_dflash import spec_generate as _spec_generate
     from routing_dflash import assisted_generate as _assisted_generate
+    from cache_dflash import RollbackCache
     from tree_dflash import DraftTree
 
 # transformers 5.x names the cache `cache`, 4.x `past_key_values`
@@ -356,4 +359,6 @@ DFlashConfig.register_for_auto_class("AutoConfig")
 DFlashDraftModel.register_for_auto_class("AutoModel")
 DFlash2DraftModel.register_for_auto_class("AutoModel")
 
-__all__ = ["DFlashDraftModel", "DFlash2DraftModel", "DFlashPreTrainedModel", "DFlashConfig", "DraftTree"]
+__all__ = [
+    "DFlashDraftModel", "DFlash2DraftModel", "DFlashPreTrainedModel", "DFlashConfig", "DraftTree", "RollbackCache",
+]
