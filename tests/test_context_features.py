@@ -88,14 +88,13 @@ def test_hybrid_rollback_feeds_the_kept_tokens_features(route):
 def test_compiled_verify_compiles_once_and_feeds_the_right_features():
     """Two calls with other prompt lengths reuse one graph, and the second call's hooks (a new `LayerFeatures`)
     still receive the compiled verify's features."""
-    pytest.importorskip("transformers.cache_utils", reason="static caches").StaticCache
-    from generation_dflash import check_compile_request
+    from cache_dflash import target_cache_for
 
+    target = make_target("llama")
     try:
-        check_compile_request(True, None, None, "constant")
+        target_cache_for(target, "static", None, 64)
     except ValueError as reason:
         pytest.skip(str(reason))  # transformers 4.57: refused with the reason (tested in test_spec_generate.py)
-    target = make_target("llama")
     runs = []
     counters.clear()
     for prompt_len in (3, 6):
