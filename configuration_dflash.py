@@ -43,6 +43,19 @@ def check_fits_target(config, *, num_layers: int, hidden_size: int, vocab_size: 
         raise ValueError(f"dflash_config.draft_vocab must hold token ids in [0, {vocab_size}), got {len(vocab)} ids")
 
 
+def legacy_rope_fields(config: dict) -> dict:
+    """The top-level `rope_theta` (and, for a scaled RoPE, `rope_scaling`) that older readers (mlx-lm's llama, z-lab's
+    MLX loader) expect, taken from the `rope_parameters` a transformers-5 config writes instead; empty where the
+    config already has them."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params or "rope_theta" in config:
+        return {}
+    fields = {"rope_theta": params["rope_theta"]}
+    if params.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+        fields["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return fields
+
+
 def check_draft_config(config: dict) -> None:
     """Refuses in one line a `config.json` that is not a DFlash draft's (a target folder given as the draft, say),
     before any weight loads; torch and MLX alike."""
@@ -190,4 +203,5 @@ __all__ = [
     "check_fits_target",
     "dflash2_settings",
     "first_stop",
+    "legacy_rope_fields",
 ]

@@ -51,11 +51,13 @@ def convert_gguf(destination: Path) -> None:
 def add_top_level_rope_theta(config_file: Path) -> None:
     """Copies `rope_parameters.rope_theta` to the top level, where stock mlx-lm's llama reads it (it would silently
     use base 10000); transformers reads either. Written atomically."""
+    from configuration_dflash import legacy_rope_fields
+
     config = json.loads(config_file.read_text())
-    theta = (config.get("rope_parameters") or {}).get("rope_theta")
-    if theta is None or config.get("rope_theta") == theta:
+    fields = legacy_rope_fields(config)
+    if not fields:
         return
-    config["rope_theta"] = theta
+    config.update(fields)
     tmp = config_file.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tmp.replace(config_file)

@@ -9,7 +9,7 @@ import mlx_lm
 from huggingface_hub import hf_hub_download, snapshot_download
 from mlx_lm.utils import load_model
 
-from configuration_dflash import check_draft_config
+from configuration_dflash import check_draft_config, legacy_rope_fields
 
 from .model import DFlash2Model, Model, ModelArgs
 
@@ -47,18 +47,6 @@ def load_draft(path_or_hf_repo: str, *, sliding_window_size: Optional[int] = Non
     return model
 
 
-def rope_overrides(config: dict) -> dict:
-    """The top-level `rope_theta`/`rope_scaling` that mlx-lm's older model files (llama, ...) read, taken from the
-    `rope_parameters` a transformers-5 config writes instead; empty where the config already has them."""
-    params = config.get("rope_parameters")
-    if not isinstance(params, dict) or "rope_theta" not in params or "rope_theta" in config:
-        return {}
-    overrides = {"rope_theta": params["rope_theta"]}
-    if params.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
-        overrides["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
-    return overrides
-
-
 def target_config(path_or_hf_repo: str) -> dict:
     path = Path(path_or_hf_repo)
     file = path / "config.json" if path.exists() else Path(hf_hub_download(path_or_hf_repo, "config.json"))
@@ -68,5 +56,5 @@ def target_config(path_or_hf_repo: str) -> dict:
 def load(path_or_hf_repo: str, model_config: Optional[dict] = None, **kwargs) -> Any:
     """`mlx_lm.load` for a target, passing the RoPE fields of a transformers-5 config where mlx-lm would miss them
     (it would silently use base 10000); `model_config` entries win."""
-    overrides = rope_overrides(target_config(path_or_hf_repo)) | (model_config or {})
+    overrides = legacy_rope_fields(target_config(path_or_hf_repo)) | (model_config or {})
     return mlx_lm.load(path_or_hf_repo, model_config=overrides, **kwargs)
