@@ -342,7 +342,7 @@ def test_resume_after_interruption_gives_identical_state(tmp_path, precondition_
 
     resumed = tiny_draft(target)  # stopped in the middle of a batch's two updates
     summary = train(resumed, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc, stop_after=3), progress=False)
-    assert summary == {"step": 3, "finished": False, "history": []}
+    assert {k: summary[k] for k in ("step", "finished", "history")} == {"step": 3, "finished": False, "history": []}
     again = tiny_draft(target)  # a fresh process: everything comes from the checkpoint
     summary = train(again, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc), progress=False)
     assert summary["step"] == 6
@@ -482,3 +482,250 @@ def test_shipped_root_draft_fits_smollm2_and_is_lossless():
         stats = draft.spec_generate(target, ids, max_new_tokens=24, return_stats=True)
         assert torch.equal(stats.output_ids, expected), prompt
         assert stats.mean_acceptance_length >= 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dense anchors, cached target features, mixed precision.
+
+
+def test_dense_anchors_take_one_block_per_block_size_response_tokens():
+    g = torch.Generator().manual_seed(0)
+    loss_starts, lengths = torch.tensor([6, 3, 10]), torch.tensor([40, 12, 11])
+    anchors, valid = sample_anchors(loss_starts, lengths, 0, g, block_size=4)
+    assert valid.sum(1).tolist() == [9, 2, 0]  # ceil(33 / 4), ceil(8 / 4), no candidate
+    assert sample_anchors(loss_starts, lengths, 0, g, block_size=4, stride=2)[1].sum(1).tolist() == [17, 4, 0]  # ceil(33 / 2), ceil(8 / 2)
+    for row, (lo, length) in enumerate(zip(loss_starts.tolist(), lengths.tolist())):
+        picked = anchors[row][valid[row]].tolist()
+        assert picked == sorted(set(picked)) and all(lo <= a <= length - 2 for a in picked)
+    with pytest.raises(ValueError, match="block size"):
+        sample_anchors(loss_starts, lengths, 0, g)
+
+
+def draft_block_hidden(draft, target, ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """`[m, B, H]` hidden states of every anchored block in one masked pass, as `block_loss` builds it."""
+    from training.anchors import additive_mask
+    from training.trainer import target_pass
+
+    block, length = draft.config.block_size, ids.shape[1]
+    features, _ = target_pass(target, ids, torch.tensor([length]), draft.config.target_layer_ids)
+    tokens, _, _ = block_inputs(ids, anchors, torch.ones_like(anchors, dtype=torch.bool), torch.tensor([length]), block, MASK_ID)
+    positions = torch.cat([torch.arange(length)[None], (anchors[..., None] + torch.arange(block)).flatten(1)], dim=1)
+    mask = additive_mask(anchor_attention_mask(anchors, length, block), torch.float32)
+    with torch.no_grad():
+        hidden = draft(noise_embeds=target.get_input_embeddings()(tokens.flatten(1)), context_hidden_states=features,
+                       position_ids=positions, attention_mask=mask).last_hidden_state
+    return hidden.view(anchors.shape[1], block, -1)
+
+
+def test_no_block_sees_a_token_at_or_after_its_anchor_outside_its_own_block():
+    """Perturbation (the context leak of SpecForge PR #472): overlapping dense blocks, every later token changed in
+    turn; each block's output moves only when its own first token changes."""
+    target = make_target("llama")
+    draft = tiny_draft(target)
+    ids = torch.randint(4, VOCAB - 1, (1, 24), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[5, 6, 8, 9, 15, 20]])  # closer than the block size of 4: blocks overlap
+    base = draft_block_hidden(draft, target, ids, anchors)
+    for p in range(6, 24):
+        changed = ids.clone()
+        changed[0, p] = (ids[0, p] + 1) % (VOCAB - 1)
+        moved = draft_block_hidden(draft, target, changed, anchors)
+        for j, a in enumerate(anchors[0].tolist()):
+            if p > a:
+                torch.testing.assert_close(moved[j], base[j], atol=0, rtol=0, msg=f"block at {a} saw position {p}")
+            elif p == a:
+                assert not torch.equal(moved[j], base[j])
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+@pytest.mark.parametrize("cached", [False, True])
+def test_training_labels_and_proposals_match_the_decode_path(tmp_path, draft_vocab, cached):
+    """The label offset, the shared head (with a draft vocabulary) and the embedding as decoding uses them (PR #473):
+    `block_loss`'s first-token accuracy and teacher-forced tau equal those of `draft_step` block by block."""
+    from cache_dflash import DynamicCache
+    from generation_dflash import draft_embedding, draft_head, draft_step
+    from training.features import build_feature_cache
+    from training.trainer import target_greedy, target_pass
+
+    target = make_target("llama", initializer_range=0.2)
+    draft = tiny_draft(target)
+    seqs = random_sequences(2, length=30)
+    train(draft, target, seqs, tmp_path / "fit", quick_config(max_steps=30, num_anchors=0, learning_rate=1e-2), progress=False)
+    if draft_vocab:
+        draft.config.draft_vocab = list(range(0, VOCAB, 2))
+    batch = collate(seqs, pad_id=0)
+    kwargs = {}
+    if cached:
+        cache = build_feature_cache(target, seqs, tmp_path / "features", draft.config.target_layer_ids, progress=False)
+        found = cache.batch([0, 1], pad_id=0)
+        batch, kwargs = found.batch, {"target_out": found.target_out, "greedy": found.greedy}
+    vocab = None if not draft_vocab else torch.tensor(draft.config.draft_vocab)
+    _, metrics = block_loss(draft, target, batch, num_anchors=0, generator=torch.Generator().manual_seed(3),
+                            weights=loss_weights(4, 4.0), distill_weight=0.0, vocab=vocab, **kwargs)
+    anchors, valid = sample_anchors(batch["loss_starts"], batch["lengths"], 0, torch.Generator().manual_seed(3), block_size=4)
+    embed, head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
+    firsts, taus = [], []
+    for row, s in enumerate(seqs):
+        ids = torch.tensor([s.input_ids])
+        features, final = target_pass(target, ids, torch.tensor([len(s.input_ids)]), draft.config.target_layer_ids)
+        greedy = target_greedy(target, final)[0]
+        for a in anchors[row][valid[row]].tolist():
+            with torch.no_grad():
+                logits, _ = draft_step(draft, embed, head, ids[:, a], features[:, :a], a, DynamicCache(), 4)
+            right = (logits[0].argmax(-1) == greedy[a : a + 3]).long()
+            firsts.append(float(right[0]))
+            if a + 3 < len(s.input_ids):
+                taus.append(1 + float(right.cumprod(0).sum()))
+    assert metrics["trained_blocks"] == int(valid.sum())
+    assert metrics["accuracy_1"] == pytest.approx(sum(firsts) / len(firsts))
+    assert metrics["tau"] == pytest.approx(sum(taus) / len(taus))
+    assert 0 < sum(firsts) < len(firsts)  # the comparison saw hits and misses
+
+
+def test_feature_cache_holds_the_target_pass_and_resumes_after_interruption(tmp_path, monkeypatch):
+    import training.features as features
+    from training.trainer import target_greedy, target_pass
+
+    target = make_target("llama")
+    seqs = [Sequence(f"s{i}", torch.randint(4, VOCAB - 1, (12 + 5 * i,), generator=torch.Generator().manual_seed(i)).tolist(), 4)
+            for i in range(6)]
+    straight = features.build_feature_cache(target, seqs, tmp_path / "straight", [0, 2], shard_tokens=40, progress=False)
+    assert len(straight.manifest["shards"]) > 2
+    for i, s in enumerate(seqs):
+        ids = torch.tensor([s.input_ids])
+        feats, final = target_pass(target, ids, torch.tensor([len(s.input_ids)]), [0, 2])
+        got = straight.sequence(i)
+        assert got["input_ids"].tolist() == s.input_ids
+        torch.testing.assert_close(got["features"], feats[0].to(torch.bfloat16), atol=0, rtol=0)
+        torch.testing.assert_close(got["final_hidden"], final[0].to(torch.bfloat16), atol=0, rtol=0)
+        assert got["greedy"][: s.loss_start - 1].eq(-1).all()
+        assert got["greedy"][s.loss_start - 1 :].tolist() == target_greedy(target, final)[0, s.loss_start - 1 :].tolist()
+
+    calls = []
+    real = features.shard_tensors
+
+    def interrupted(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features, "shard_tensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        features.build_feature_cache(target, seqs, tmp_path / "resumed", [0, 2], shard_tokens=40, progress=False)
+    with pytest.raises(ValueError, match="incomplete"):
+        features.FeatureCache(tmp_path / "resumed")
+    monkeypatch.setattr(features, "shard_tensors", real)
+    built = []
+    monkeypatch.setattr(features, "shard_tensors", lambda *a, **k: built.append(1) or real(*a, **k))
+    resumed = features.open_feature_cache(target, seqs, tmp_path / "resumed", [0, 2], shard_tokens=40, progress=False)
+    assert len(built) == len(straight.manifest["shards"]) - 2  # only the missing shards ran
+    assert not list((tmp_path / "resumed").glob(".*"))  # no temporary file left behind
+    for i in range(len(seqs)):
+        for name, tensor in straight.sequence(i).items():
+            assert torch.equal(resumed.sequence(i)[name], tensor), name
+
+
+def test_feature_cache_refuses_another_run_and_a_short_disk(tmp_path, monkeypatch):
+    import shutil
+
+    import training.features as features
+
+    target = make_target("llama")
+    seqs = random_sequences(3)
+    cache = features.build_feature_cache(target, seqs, tmp_path / "c", [0, 2], progress=False)
+    cache.check(make_target("llama").to(torch.bfloat16), seqs, [0, 2])  # the same target loaded in bf16 is accepted
+    with pytest.raises(ValueError, match="data"):
+        cache.check(target, random_sequences(3, seed=9), [0, 2])
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        cache.check(target, seqs, [0, 1])
+    with pytest.raises(ValueError, match="target"):
+        cache.check(make_target("llama", seed=5), seqs, [0, 2])
+    with pytest.raises(ValueError, match="data"):  # the build refuses a folder holding another run's cache too
+        features.build_feature_cache(target, random_sequences(3, seed=9), tmp_path / "c", [0, 2], progress=False)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
+    with pytest.raises(ValueError, match="GB free|is free"):
+        features.build_feature_cache(target, seqs, tmp_path / "new", [0, 2], progress=False)
+    assert not list((tmp_path / "new").glob("*.safetensors"))
+    with pytest.raises(ValueError, match="no feature cache"):
+        features.FeatureCache(tmp_path / "empty")
+
+
+def test_training_from_the_feature_cache_runs_no_target_forward(tmp_path, monkeypatch):
+    import training.trainer as trainer
+    from training.features import build_feature_cache
+
+    target = make_target("llama")
+    data = random_sequences(6)
+    cache = build_feature_cache(target, data, tmp_path / "features", [0, 2], progress=False)
+    batch, weights = collate(data[:2], pad_id=0), loss_weights(4, 4.0)
+    found = cache.batch([0, 1], pad_id=0)
+
+    def loss(draft, **kwargs):
+        return float(block_loss(draft, target, kwargs.pop("batch", batch), num_anchors=0, generator=torch.Generator().manual_seed(0),
+                                weights=weights, distill_weight=0.5, **kwargs)[0].detach())
+
+    before = loss(tiny_draft(target))  # the same loss from bf16-rounded features, to bf16's precision
+    assert loss(tiny_draft(target), batch=found.batch, target_out=found.target_out, greedy=found.greedy) == pytest.approx(before, rel=1e-3)
+    online_summary = train(tiny_draft(target), target, data, tmp_path / "online", quick_config(max_steps=3, num_anchors=0), progress=False)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the target ran a forward while training from its feature cache")
+
+    monkeypatch.setattr(trainer, "target_pass", no_forward)
+    monkeypatch.setattr(trainer, "target_greedy", no_forward)
+    from_cache = tiny_draft(target)
+    summary = train(from_cache, target, data, tmp_path / "cached", quick_config(max_steps=3, num_anchors=0), progress=False,
+                    feature_cache=cache)
+    assert summary["step"] == 3 and summary["throughput"]["blocks_per_s"] > 0
+    monkeypatch.undo()
+    assert loss(from_cache) < before
+    assert online_summary["throughput"]["steps"] == 2  # the first step warms up and is not timed
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_follows_the_fp32_loss(tmp_path):
+    target = make_target("llama", initializer_range=0.2)
+    data = random_sequences(8)
+    runs = {}
+    for precision in ("no", "bf16"):
+        draft = tiny_draft(target)
+        train(draft, target, data, tmp_path / precision, quick_config(max_steps=4, mixed_precision=precision, save_every=4), progress=False)
+        state = torch.load(tmp_path / precision / "checkpoint.pt", weights_only=False)
+        assert all(p.dtype == torch.float32 for p in draft.parameters())
+        assert all(v.dtype == torch.float32 for s in state["optimizer"]["state"].values() for v in s.values() if v.dim())
+        runs[precision] = draft
+    batch = collate(data[:4], pad_id=0)
+    losses = {k: float(block_loss(d, target, batch, num_anchors=8, generator=torch.Generator().manual_seed(0),
+                                  weights=loss_weights(4, 4.0), distill_weight=0.5)[0].detach()) for k, d in runs.items()}
+    assert losses["bf16"] == pytest.approx(losses["no"], rel=0.02)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        train(tiny_draft(target), target, data, tmp_path / "x", quick_config(mixed_precision="fp8"), progress=False)
+
+
+def test_length_buckets_cover_every_sequence_once_with_less_padding():
+    from training.trainer import batch_order
+
+    lengths = torch.randint(10, 400, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    plain = batch_order(256, 4, 0, 0)
+    bucketed = batch_order(256, 4, 0, 0, lengths=lengths)
+    assert sorted(i for b in bucketed for i in b) == list(range(256))
+    assert bucketed == batch_order(256, 4, 0, 0, lengths=lengths)  # seeded: a resumed run sees the same batches
+
+    def padding(batches):
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches)
+
+    assert padding(bucketed) < padding(plain) / 4
+
+
+def test_num_anchors_flag_takes_a_count_or_dense(capsys):
+    from training.__main__ import parse_args
+
+    assert parse_args(["--output", "x", "--num-anchors", "dense", "--anchor-stride", "2"]).num_anchors == 0
+    assert parse_args(["--output", "x", "--num-anchors", "12"]).num_anchors == 12
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            parse_args(["--output", "x", "--num-anchors", bad])
+    with pytest.raises(SystemExit):
+        parse_args(["--data", "sharegpt"])  # training needs --output
+    with pytest.raises(SystemExit):
+        parse_args(["--output", "x"], features_only=True)  # building needs --feature-cache
+    assert "expected a positive integer or 'dense'" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from generation_dflash import check_draft_fits_target
 from modeling_dflash import DFlashDraftModel
 
 from .data import disjoint_sources, load_examples, read_response_cache, regenerate_responses, tokenize_examples
+from .features import open_feature_cache
 from .trainer import (
     TrainConfig,
     build_draft_config,
@@ -33,9 +34,10 @@ from .trainer import (
 DEFAULT_MASK_TOKEN_ID = 16  # `<empty_output>` in SmolLM2's vocab: a special token the target never writes in chat
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", required=True, type=Path, help="folder for the trained draft (must be new, empty, or a draft with --overwrite)")
+def parse_args(argv=None, features_only: bool = False) -> argparse.Namespace:
+    prog = "python -m training.features" if features_only else "python -m training"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", type=Path, help="folder for the trained draft (must be new, empty, or a draft with --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous draft in --output")
     p.add_argument("--target", default="default", help="target checkpoint folder, or 'default' for SmolLM2-135M-Instruct")
     p.add_argument("--run-dir", type=Path, help="checkpoints and data caches; default ~/.cache/dflash/runs/<output name>")
@@ -51,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-length", type=int, default=512, help="truncate prompt + response to this many tokens")
     g.add_argument("--max-new-tokens", type=int, default=256, help="response length when the target regenerates")
     g.add_argument("--regen-batch-size", type=int, default=16, help="prompts per batched generate call")
+    g.add_argument("--feature-cache", type=Path,
+                   help="folder of the target's features for these sequences (built first where missing, resumable; "
+                        "`python -m training.features` only builds it): training then runs no target forward")
     d = p.add_argument_group("draft")
     d.add_argument("--num-layers", type=int, help="draft decoder layers (default 3)")
     d.add_argument("--target-layer-ids", help="comma-separated target layers to read (default: the published spread)")
@@ -60,7 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'target': copy the target's last layers; 'random'; or a draft folder to continue from (its config is kept)")
     o = p.add_argument_group("optimisation")
     defaults = TrainConfig()
-    o.add_argument("--num-anchors", type=int, default=defaults.num_anchors, help="random blocks per sequence per step")
+    o.add_argument("--num-anchors", type=anchor_count, default=defaults.num_anchors,
+                   help="random blocks per sequence per step, or 'dense': one per block-size response tokens")
+    o.add_argument("--anchor-stride", type=int, help="with --num-anchors dense: response tokens per anchor (default the block size)")
+    o.add_argument("--mixed-precision", choices=["no", "bf16"], default=defaults.mixed_precision,
+                   help="bf16: the draft's forward and backward under bfloat16 autocast (fp32 master weights)")
+    o.add_argument("--bucket-by-length", action="store_true", help="batch sequences of similar length together")
     o.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (per process)")
     o.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     o.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
@@ -86,12 +96,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--allow-changed-settings", action="store_true",
                    help="resume a run dir whose checkpoint was written with other settings or data")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="the target's dtype for regeneration and its frozen passes (the draft trains in float32); "
+                   help="the target's dtype for regeneration, its frozen passes and --feature-cache (the draft, and the "
+                        "target's head and embedding in the draft's matmuls, train in float32 or under --mixed-precision); "
                         "auto: bfloat16 where the hardware multiplies it natively")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--measure-throughput", type=int, metavar="STEPS",
+                   help="run this many steps (plus one warm-up) in a scratch run dir, print blocks/s and tokens/s, write nothing")
     p.add_argument("--measure-tau", action="store_true", help="at the end, run greedy spec_generate on the held-out prompts")
     p.add_argument("--measure-max-new-tokens", type=int, default=96, help="tokens per prompt for --measure-tau")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.output is None and not (features_only or args.measure_throughput):
+        p.error("the following arguments are required: --output")
+    if features_only and args.feature_cache is None:
+        p.error("the following arguments are required: --feature-cache")
+    return args
+
+
+def anchor_count(text: str) -> int:
+    """`--num-anchors`: a positive count, or 'dense' (0)."""
+    if text == "dense":
+        return 0
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'dense', got {text!r}")
+    return int(text)
 
 
 def load_target(name: str, dtype: str = "float32"):
@@ -149,18 +176,21 @@ def cached_examples(examples: list[dict], path: Path) -> tuple[list[dict], dict[
     return kept, cache
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, features_only: bool = False) -> int:
+    args = parse_args(argv, features_only)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    check_output_dir(args.output, args.overwrite)
-    run_dir = args.run_dir or Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "runs" / args.output.name
+    if args.output is not None:
+        check_output_dir(args.output, args.overwrite)
+    cache_root = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash"))
+    run_dir = args.run_dir or cache_root / "runs" / (args.output or args.feature_cache or Path("throughput")).name
     run_dir.mkdir(parents=True, exist_ok=True)
     state = PartialState()
     target, tokenizer = load_target(args.target, args.dtype)
     target.to(state.device)  # regeneration and the target passes run where training does
     draft = initial_draft(args, target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     train_examples = [e for source in (args.data or ["sharegpt"]) for e in load_examples(source, args.max_examples)]
     eval_names = [n for n in args.eval_data.split(",") if n]
@@ -176,28 +206,27 @@ def main(argv=None) -> int:
     elif args.responses == "cached":
         train_examples, regenerated = cached_examples(train_examples, run_dir / "responses.jsonl")
     train_sequences = tokenize_examples(tokenizer, train_examples, regenerated=regenerated, **common)
+    feature_cache = None
+    if args.feature_cache is not None:
+        with state.main_process_first():  # the main process builds what is missing; the others then only read it
+            feature_cache = open_feature_cache(target, train_sequences, args.feature_cache, draft.config.target_layer_ids, pad_id=pad_id)
+    if features_only:
+        print(json.dumps({"feature_cache": str(args.feature_cache), "sequences": len(feature_cache), **feature_cache.manifest_summary()}, indent=2))
+        return 0
+    config = train_config(args)
+    if args.measure_throughput:
+        return measure_throughput(draft, target, train_sequences, config, args.measure_throughput, pad_id, feature_cache)
     with state.main_process_first():  # one process writes the held-out cache; the others then only read it
         eval_sequences = held_out_sequences(target, tokenizer, eval_examples, run_dir, common, regen)
     logging.info("%d training sequences (%d tokens); held-out: %s", len(train_sequences),
                  sum(len(s.input_ids) for s in train_sequences), {k: len(v) for k, v in eval_sequences.items()})
-
-    config = TrainConfig(
-        num_anchors=args.num_anchors, batch_size=args.batch_size, learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, epochs=args.epochs, max_steps=args.max_steps,
-        grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight, label_source=args.label_source,
-        train_vocab_size=args.train_vocab_size, updates_per_batch=args.updates_per_batch, precondition_fc=args.precondition_fc,
-        schedule=args.schedule, decay_ratio=args.decay_ratio,
-        eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
-        time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None,
-    )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     summary = train(draft, target, train_sequences, run_dir, config, eval_sequences=eval_sequences, pad_id=pad_id,
-                    allow_changed_settings=args.allow_changed_settings)
+                    allow_changed_settings=args.allow_changed_settings, feature_cache=feature_cache)
     if not state.is_main_process:
         return 0
     save_draft(draft, args.output, overwrite=args.overwrite)
     result = {"output": str(args.output), "run_dir": str(run_dir), "step": summary["step"], "finished": summary["finished"],
-              "held_out": summary["history"][-1] if summary["history"] else None}
+              "held_out": summary["history"][-1] if summary["history"] else None, "throughput": summary["throughput"]}
     if args.measure_tau:
         result["spec_generate_tau"] = {
             name: round(measure_acceptance(draft.eval(), target, tokenizer, examples, max_new_tokens=args.measure_max_new_tokens), 3)
@@ -207,12 +236,43 @@ def main(argv=None) -> int:
     return 0
 
 
-def cli(argv=None) -> int:
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        num_anchors=args.num_anchors, anchor_stride=args.anchor_stride, batch_size=args.batch_size, learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, epochs=args.epochs, max_steps=args.max_steps,
+        grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight, label_source=args.label_source,
+        train_vocab_size=args.train_vocab_size, updates_per_batch=args.updates_per_batch, precondition_fc=args.precondition_fc,
+        schedule=args.schedule, decay_ratio=args.decay_ratio, mixed_precision=args.mixed_precision,
+        bucket_by_length=args.bucket_by_length, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+        time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None,
+    )
+
+
+def measure_throughput(draft, target, sequences, config: TrainConfig, steps: int, pad_id: int, feature_cache) -> int:
+    """`steps` training steps after one warm-up, in a scratch run dir; prints the settings and their throughput."""
+    import tempfile
+    from dataclasses import asdict, replace
+
+    config = replace(config, max_steps=steps + 1, eval_every=0, save_every=10**9, time_budget_s=None)
+    with tempfile.TemporaryDirectory() as scratch:
+        summary = train(draft, target, sequences, Path(scratch), config, pad_id=pad_id, feature_cache=feature_cache)
+    settings = {k: v for k, v in asdict(config).items() if k in THROUGHPUT_SETTINGS}
+    print(json.dumps({"settings": {**settings, "target_dtype": str(target.dtype).removeprefix("torch."),
+                                   "features": "cache" if feature_cache is not None else "target forward",
+                                   "threads": torch.get_num_threads()}, **summary["throughput"]}, indent=2))
+    return 0
+
+
+THROUGHPUT_SETTINGS = ("num_anchors", "anchor_stride", "batch_size", "updates_per_batch", "train_vocab_size", "mixed_precision", "bucket_by_length")
+
+
+def cli(argv=None, features_only: bool = False) -> int:
     """`main` with the tool's own refusals (bad settings, folders, data) as one line, as argparse reports its errors."""
     try:
-        return main(argv)
+        return main(argv, features_only)
     except (ValueError, FileExistsError) as error:
-        print(f"python -m training: error: {error}", file=sys.stderr)
+        prog = "python -m training.features" if features_only else "python -m training"
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
 
 

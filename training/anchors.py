@@ -20,17 +20,29 @@ def default_gamma(block_size: int) -> float:
 
 
 def sample_anchors(
-    loss_starts: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator
+    loss_starts: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator,
+    block_size: int | None = None, stride: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct sorted anchors in `[loss_start, length - 2]` per row: `(anchors [b, m], valid [b, m])`.
 
-    Rows with fewer candidates than `num_anchors` repeat their first candidate in the spare slots, marked invalid.
+    `num_anchors=0` is dense: each row gets one anchor per `stride` candidates (rounded up; `stride` defaults to
+    `block_size`, so the blocks cover about every response token once, as public recipes do; a smaller stride
+    overlaps them). Rows with fewer anchors than the widest repeat their first candidate in the spare slots, marked
+    invalid.
     """
-    anchors = torch.zeros(len(lengths), num_anchors, dtype=torch.long)
-    valid = torch.zeros(len(lengths), num_anchors, dtype=torch.bool)
-    for row, (lo, length) in enumerate(zip(loss_starts.tolist(), lengths.tolist())):
-        count = max(length - 1 - lo, 0)
-        picked = torch.randperm(count, generator=generator)[:num_anchors].sort().values + lo
+    counts = (lengths - 1 - loss_starts).clamp(min=0).tolist()
+    if num_anchors == 0:
+        stride = stride or block_size
+        if not stride:
+            raise ValueError("dense anchors (num_anchors=0) need the block size or a stride")
+        per_row = [-(-c // stride) for c in counts]
+    else:
+        per_row = [min(c, num_anchors) for c in counts]
+    width = max(max(per_row, default=0), 1)
+    anchors = torch.zeros(len(lengths), width, dtype=torch.long)
+    valid = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for row, (lo, count, take) in enumerate(zip(loss_starts.tolist(), counts, per_row)):
+        picked = torch.randperm(count, generator=generator)[:take].sort().values + lo
         anchors[row, : len(picked)], valid[row, : len(picked)] = picked, True
         anchors[row, len(picked) :] = lo
     return anchors, valid

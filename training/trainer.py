@@ -34,7 +34,8 @@ DRAFT_FILES = {"config.json", "model.safetensors"}
 class TrainConfig:
     """Optimisation settings; the paper's values where they apply (lr 6e-4, warmup 0.04, clip 1.0)."""
 
-    num_anchors: int = 32
+    num_anchors: int = 32  # blocks per sequence per step; 0: dense (one per `anchor_stride` response tokens)
+    anchor_stride: int | None = None  # dense anchors: response tokens per anchor (None: the block size)
     batch_size: int = 4
     learning_rate: float = 6e-4
     weight_decay: float = 0.01
@@ -49,6 +50,8 @@ class TrainConfig:
     updates_per_batch: int = 1  # optimizer steps per target pass, each with fresh anchors (the target pass dominates on CPU)
     train_vocab_size: int | None = None  # train over the most frequent response tokens only (FR-Spec); None: all
     label_source: str = "target"  # "target": the target's argmax; "data": the sequence's own next token
+    mixed_precision: str = "no"  # "bf16": the draft's forward and backward under bfloat16 autocast (fp32 master weights)
+    bucket_by_length: bool = False  # batch sequences of similar length together (less padding)
     precondition_fc: bool = False  # train `fc` per input channel in units of that feature channel's RMS
     eval_every: int = 100
     save_every: int = 50
@@ -198,8 +201,9 @@ def frequent_tokens(sequences: list[Sequence], size: int) -> torch.Tensor:
 def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch.Generator, weights: torch.Tensor,
                distill_weight: float, label_source: str = "target", vocab: torch.Tensor | None = None,
                target_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Weighted block loss over `num_anchors` random blocks per sequence, all in one draft pass.
+               greedy: torch.Tensor | None = None, anchor_stride: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted block loss over `num_anchors` random blocks per sequence (0: dense, about one per `block_size`
+    response tokens, or per `anchor_stride`), all in one draft pass.
 
     Hard labels are the target's argmax over its full vocabulary (`label_source="target"`; `greedy` from
     `target_greedy` saves recomputing it) or the data's next tokens. `vocab` restricts the teacher and draft logits to
@@ -213,7 +217,7 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     block, device = config.block_size, batch["input_ids"].device
     input_ids, lengths = batch["input_ids"], batch["lengths"]
     features, final_hidden = target_out or target_pass(target, input_ids, lengths, config.target_layer_ids)
-    anchors, valid = sample_anchors(batch["loss_starts"].cpu(), lengths.cpu(), num_anchors, generator)
+    anchors, valid = sample_anchors(batch["loss_starts"].cpu(), lengths.cpu(), num_anchors, generator, block, anchor_stride)
     anchors, valid = anchors.to(device), valid.to(device)
     tokens, labels, in_sequence = block_inputs(input_ids, anchors, valid, lengths, block, config.mask_token_id)
     b, m = anchors.shape
@@ -222,16 +226,16 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     mask = additive_mask(anchor_attention_mask(anchors, context_len, block), torch.float32)
     # the target's distribution for position a+k is its output at a+k-1
     source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1).flatten(1)
-    head_weight, head_bias, vocab = frozen_head(target, vocab)
+    head_weight, head_bias, vocab = frozen_head(target, vocab, getattr(unwrapped, "dtype", torch.float32))
     with torch.no_grad():
-        noise = draft_embedding(unwrapped, target)(tokens.flatten(1))
-        gathered = final_hidden.gather(1, source[..., None].expand(-1, -1, final_hidden.shape[-1]))
+        noise = draft_embedding(unwrapped, target)(tokens.flatten(1)).to(head_weight.dtype)
+        gathered = final_hidden.gather(1, source[..., None].expand(-1, -1, final_hidden.shape[-1])).to(head_weight.dtype)
         teacher = torch.nn.functional.linear(gathered, head_weight, head_bias).float().view(b, m, block - 1, -1)
-    if label_source == "target" and vocab is None:
+    if label_source == "target" and vocab is None and greedy is None:
         labels = teacher.argmax(-1)
     elif label_source == "target":  # the teacher above sees `vocab` only; the label is its choice over all tokens
         greedy = greedy if greedy is not None else target_greedy(target, final_hidden)
-        labels = greedy.gather(1, source).view(b, m, block - 1)
+        labels = greedy.gather(1, source).view(b, m, block - 1).masked_fill(~in_sequence, 0)
     hard, trained = (labels, in_sequence) if vocab is None else full_to_subset(labels, in_sequence, vocab)
     hidden = draft(noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask).last_hidden_state
     logits = torch.nn.functional.linear(hidden.view(b, m, block, -1)[:, :, 1:], head_weight, head_bias).float()
@@ -242,13 +246,15 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     w = weights.to(device)[None, None] * trained
     loss = (per_token * w).sum() / w.sum().clamp(min=1e-6)
     proposed = logits.detach().argmax(-1)
-    return loss, block_metrics(proposed if vocab is None else vocab[proposed], labels, in_sequence)
+    metrics = block_metrics(proposed if vocab is None else vocab[proposed], labels, in_sequence)
+    return loss, {**metrics, "trained_blocks": int(valid.sum())}
 
 
-def frozen_head(target, vocab: torch.Tensor | None):
-    """The target's head weight and bias, detached (the shared head never trains), restricted to `vocab` if given."""
+def frozen_head(target, vocab: torch.Tensor | None, dtype: torch.dtype):
+    """The target's head weight and bias in the draft's `dtype`, detached (the shared head never trains), restricted
+    to `vocab` if given. A bf16 target's head in a float32 draft's matmuls is several times slower on CPU."""
     lm_head = target.get_output_embeddings()
-    weight, bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
+    weight, bias = lm_head.weight.detach().to(dtype), None if lm_head.bias is None else lm_head.bias.detach().to(dtype)
     if vocab is None:
         return weight, bias, None
     vocab = vocab.to(weight.device)
@@ -298,13 +304,17 @@ def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str = "cosine", d
 FINGERPRINT_IGNORES = {"eval_every", "save_every", "time_budget_s", "stop_after"}
 
 
-def settings_fingerprint(config: TrainConfig, sequences: list[Sequence]) -> dict:
-    """What decides which batch, anchors and LR each step gets: the settings and a hash of the training data."""
+def data_hash(sequences: list[Sequence]) -> str:
     data = hashlib.sha256()
     for s in sequences:
         data.update(f"{s.id}:{s.loss_start}:{','.join(map(str, s.input_ids))};".encode())
+    return data.hexdigest()
+
+
+def settings_fingerprint(config: TrainConfig, sequences: list[Sequence]) -> dict:
+    """What decides which batch, anchors and LR each step gets: the settings and a hash of the training data."""
     settings = {k: v for k, v in asdict(config).items() if k not in FINGERPRINT_IGNORES}
-    return {**settings, "data": data.hexdigest()}
+    return {**settings, "data": data_hash(sequences)}
 
 
 def check_resume(saved: dict | None, current: dict, path: Path) -> None:
@@ -380,10 +390,21 @@ def install_weights(draft_dir: Path, repo_root: Path, config=None) -> None:
 # The loop.
 
 
-def batch_order(num_sequences: int, batch_size: int, epoch: int, seed: int, rank: int = 0, world: int = 1) -> list[list[int]]:
-    """This process's batches for `epoch`: a seeded shuffle, so a resumed run sees the same order."""
-    order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+BUCKET_BATCHES = 16  # batches per length-sorted window: similar lengths, still a random order
+
+
+def batch_order(num_sequences: int, batch_size: int, epoch: int, seed: int, rank: int = 0, world: int = 1,
+                lengths: list[int] | None = None) -> list[list[int]]:
+    """This process's batches for `epoch`: a seeded shuffle, so a resumed run sees the same order. With `lengths`,
+    each window of `BUCKET_BATCHES` batches is sorted by length before it is cut, and the batches are shuffled."""
+    generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+    order = torch.randperm(num_sequences, generator=generator).tolist()
+    if lengths is not None:
+        window = batch_size * BUCKET_BATCHES
+        order = [i for w in range(0, num_sequences, window) for i in sorted(order[w : w + window], key=lengths.__getitem__)]
     batches = [order[i : i + batch_size] for i in range(0, num_sequences, batch_size)]
+    if lengths is not None:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     usable = len(batches) - len(batches) % world if len(batches) >= world else len(batches)
     return batches[rank:usable:world]
 
@@ -415,9 +436,12 @@ def evaluate(draft, target, sequences: dict[str, list[Sequence]], *, num_anchors
 def train(
     draft: DFlashDraftModel, target, train_sequences: list[Sequence], run_dir: Path, config: TrainConfig, *,
     eval_sequences: dict[str, list[Sequence]] | None = None, pad_id: int = 0, accelerator=None, progress: bool = True,
-    allow_changed_settings: bool = False,
+    allow_changed_settings: bool = False, feature_cache=None,
 ) -> dict:
     """Trains `draft` in place against the frozen `target`, resuming from `run_dir/checkpoint.pt` if present.
+
+    With `feature_cache` (a `training.features.FeatureCache` built from `train_sequences`), the target's features,
+    final hidden states and greedy labels come from disk and the target never runs a training forward.
 
     With `train_vocab_size`, the draft's config records that vocabulary (`draft_vocab`), which decoding then proposes
     from. A checkpoint written with other settings or data is refused unless `allow_changed_settings`.
@@ -432,13 +456,20 @@ def train(
     if any(layer.self_attn.causal or layer.self_attn.sliding_window for layer in draft.layers):
         raise ValueError("training supports drafts whose layers are all non-causal full attention: the one-pass block "
                          "mask does not model causal or sliding-window layers")
+    if config.mixed_precision not in ("no", "bf16"):
+        raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {config.mixed_precision!r}")
+    if config.num_anchors < 0:
+        raise ValueError(f"num_anchors must be positive, or 0 for dense anchors; got {config.num_anchors}")
     accelerator = accelerator or Accelerator()
     target.requires_grad_(False).eval().to(accelerator.device)
+    if feature_cache is not None:
+        feature_cache.check(target, train_sequences, draft.config.target_layer_ids)
     weights = loss_weights(draft.config.block_size, config.gamma or default_gamma(draft.config.block_size))
     vocab = frequent_tokens(train_sequences, config.train_vocab_size) if config.train_vocab_size else None
     draft.config.draft_vocab = None if vocab is None else vocab.tolist()
     fingerprint = settings_fingerprint(config, train_sequences)
     repeats = config.updates_per_batch
+    lengths = [len(s.input_ids) for s in train_sequences] if config.bucket_by_length else None
     steps_per_epoch = repeats * len(batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes))
     total_steps = config.max_steps or steps_per_epoch * config.epochs
     if config.precondition_fc:
@@ -479,6 +510,8 @@ def train(
                         "  ".join(f"{k} tau {v['tau']:.2f} loss {v['loss']:.3f}" for k, v in result.items()))
 
     start_time, finished, cached = time.monotonic(), True, None
+    speed, first_step = {"seconds": 0.0, "blocks": 0, "tokens": 0, "steps": 0}, step
+    autocast = torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16")
     bar = tqdm(total=total_steps, initial=step, desc="training draft", unit="step", disable=not progress or not accelerator.is_main_process)
     if step == 0:
         run_eval()
@@ -489,25 +522,32 @@ def train(
             break
         t0 = time.monotonic()
         epoch, index = divmod(step, steps_per_epoch)
-        if cached is None or cached[0] != (epoch, index // repeats):
-            ids = batch_order(len(train_sequences), config.batch_size, epoch, config.seed, accelerator.process_index, accelerator.num_processes)[index // repeats]
-            batch = {k: v.to(accelerator.device) for k, v in collate([train_sequences[i] for i in ids], pad_id).items()}
-            target_out = target_pass(target, batch["input_ids"], batch["lengths"], model.config.target_layer_ids)
-            greedy = target_greedy(target, target_out[1]) if vocab is not None and config.label_source == "target" else None
-            cached = ((epoch, index // repeats), batch, target_out, greedy)
+        new_batch = cached is None or cached[0] != (epoch, index // repeats)
+        if new_batch:
+            ids = batch_order(len(train_sequences), config.batch_size, epoch, config.seed, accelerator.process_index,
+                              accelerator.num_processes, lengths)[index // repeats]
+            cached = ((epoch, index // repeats), *target_batch(target, train_sequences, ids, model.config.target_layer_ids, pad_id,
+                                                                 accelerator.device, feature_cache, vocab is not None and config.label_source == "target"))
         batch, target_out, greedy = cached[1:]
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        loss, metrics = block_loss(draft, target, batch,
-                                   num_anchors=config.num_anchors, generator=generator, weights=weights,
-                                   distill_weight=config.distill_weight, label_source=config.label_source, vocab=vocab,
-                                   target_out=target_out, greedy=greedy)
+        with autocast:
+            loss, metrics = block_loss(draft, target, batch,
+                                       num_anchors=config.num_anchors, generator=generator, weights=weights,
+                                       distill_weight=config.distill_weight, label_source=config.label_source, vocab=vocab,
+                                       target_out=target_out, greedy=greedy, anchor_stride=config.anchor_stride)
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        tokens_per_s = int(batch["lengths"].sum()) / (time.monotonic() - t0)
+        elapsed = time.monotonic() - t0
+        tokens_per_s = int(batch["lengths"].sum()) / elapsed
+        if step > first_step + 1:  # the first step warms up
+            speed["seconds"] += elapsed
+            speed["blocks"] += metrics["trained_blocks"]
+            speed["tokens"] += int(batch["lengths"].sum()) if new_batch else 0
+            speed["steps"] += 1
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc1=f"{metrics['accuracy_1']:.2f}", tau=f"{metrics['tau']:.2f}",
                         tok_s=f"{tokens_per_s:.0f}", lr=f"{scheduler.get_last_lr()[0]:.1e}", gnorm=f"{float(grad_norm):.2f}")
@@ -520,7 +560,25 @@ def train(
     if finished and (not history or history[-1]["step"] != step):
         run_eval()
     fold_fc(model)
-    return {"step": step, "finished": finished, "history": history}
+    return {"step": step, "finished": finished, "history": history, "throughput": throughput(speed)}
+
+
+def throughput(speed: dict) -> dict:
+    """Trained blocks and training tokens (each batch's tokens once, however many updates reuse it) per second."""
+    seconds = max(speed["seconds"], 1e-9)
+    return {"steps": speed["steps"], "blocks_per_s": round(speed["blocks"] / seconds, 1),
+            "tokens_per_s": round(speed["tokens"] / seconds, 1)}
+
+
+def target_batch(target, sequences: list[Sequence], ids: list[int], layer_ids: list[int], pad_id: int, device,
+                 feature_cache=None, need_greedy: bool = False) -> tuple[dict, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """A batch with the target's output for it: read from `feature_cache`, or from a target forward."""
+    if feature_cache is not None:
+        cached = feature_cache.batch(ids, pad_id, device)
+        return cached.batch, cached.target_out, cached.greedy
+    batch = {k: v.to(device) for k, v in collate([sequences[i] for i in ids], pad_id).items()}
+    target_out = target_pass(target, batch["input_ids"], batch["lengths"], layer_ids)
+    return batch, target_out, target_greedy(target, target_out[1]) if need_greedy else None
 
 
 @torch.no_grad()
