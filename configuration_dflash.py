@@ -172,6 +172,17 @@ class DFlashConfig(Qwen3Config):
         self.dflash_config = dflash if value is None else {**dflash, "tree_budget": int(value)}
 
     @property
+    def prompt_lookup_num_tokens(self) -> int | None:
+        """Tokens of a prompt-lookup continuation `spec_generate` adds to every round's draft tree by default; None:
+        no lookup branch. In `dflash_config`, which the serving engines ignore."""
+        return self.dflash_config.get("prompt_lookup_num_tokens")
+
+    @prompt_lookup_num_tokens.setter
+    def prompt_lookup_num_tokens(self, value: int | None) -> None:
+        dflash = {k: v for k, v in self.dflash_config.items() if k != "prompt_lookup_num_tokens"}
+        self.dflash_config = dflash if value is None else {**dflash, "prompt_lookup_num_tokens": int(value)}
+
+    @property
     def mask_token_id(self) -> int | None:
         return self.dflash_config.get("mask_token_id")
 

@@ -22,12 +22,12 @@ try:
     from .cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
     from .cache_dflash import static_length, target_cache_for
     from .configuration_dflash import check_fits_target, first_stop
-    from .tree_dflash import DraftTree, check_tree_supported, propose
+    from .tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
     from cache_dflash import static_length, target_cache_for
     from configuration_dflash import check_fits_target, first_stop
-    from tree_dflash import DraftTree, check_tree_supported, propose
+    from tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
 
 
 @dataclass
@@ -215,45 +215,67 @@ def verified_length(prompt_len: int, max_new_tokens: int, block_size: int, tree_
 
 
 def default_tree_budget(
-    draft, target, schedule: str, final_length: Callable[[int | None], int] = lambda budget: 0
+    draft,
+    target,
+    schedule: str,
+    final_length: Callable[[int | None], int] = lambda budget: 0,
+    name: str = "tree_budget",
 ) -> int | None:
-    """The config's `tree_budget`, which yields to an adaptive chain, a DFlash 2 selector and a recurrent target, and,
-    with a warning, to a target that cannot verify that tree (its attention takes no custom mask, or the call could
-    outgrow its sliding window; `final_length(budget)` is the call's longest sequence)."""
-    budget = draft.config.tree_budget
-    if schedule != "constant" or draft.has_selector or is_hybrid(target) or not budget:
+    """The config's `tree_budget` (or another tree setting, `name`), which yields to an adaptive chain, a DFlash 2
+    selector and a recurrent target, and, with a warning, to a target that cannot verify that tree (its attention
+    takes no custom mask, or the call could outgrow its sliding window; `final_length(nodes)` is the call's longest
+    sequence)."""
+    nodes = getattr(draft.config, name)
+    if schedule != "constant" or draft.has_selector or is_hybrid(target) or not nodes:
         return None
     try:
-        check_tree_supported(target, budget, final_length(budget))
-    except ValueError as reason:  # a default steps aside; an explicit tree_budget keeps raising
+        check_tree_supported(target, nodes, final_length(nodes))
+    except ValueError as reason:  # a default steps aside; an explicit setting keeps raising
+        what = f"tree of {nodes}" if name == "tree_budget" else f"{name}={nodes}"
         warnings.warn(
-            f"verifying the argmax chain instead of the draft config's tree of {budget}: {reason}",
+            f"verifying the argmax chain instead of the draft config's {what}: {reason}",
             UserWarning,
             stacklevel=3,
         )
         return None
-    return budget
+    return nodes
 
 
-def check_tree_request(draft, target, tree_budget: int | None, schedule: str, final_length: int) -> None:
+def check_lookup_request(num_tokens: int | None, max_ngram: int) -> int:
+    """The lookup branch's length (0: none), refusing negative or non-integer settings."""
+    num_tokens = num_tokens or 0
+    for name, value, least in (("prompt_lookup_num_tokens", num_tokens, 0), ("max_matching_ngram_size", max_ngram, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+    return num_tokens
+
+
+def check_tree_request(
+    draft, target, tree_budget: int | None, schedule: str, final_length: int, name: str = "tree_budget"
+) -> None:
     if tree_budget is None:  # the chain
         return
     if is_hybrid(target):
         raise ValueError(
-            f"a draft tree (tree_budget={tree_budget}) needs an attention mask over the tree, "
+            f"a draft tree ({name}={tree_budget}) needs an attention mask over the tree, "
             "which the recurrent layers "
-            f"of {type(target).__name__} cannot take; use the chain (tree_budget=0)"
+            f"of {type(target).__name__} cannot take; use the chain ({name}=0)"
         )
     if draft.has_selector:
         raise ValueError(
-            f"a draft tree (tree_budget={tree_budget}) is built from per-position distributions; a DFlash 2 draft's "
-            "selector chooses each token given the one before, so it verifies its chain (tree_budget=0)"
+            f"a draft tree ({name}={tree_budget}) is built from per-position distributions; a DFlash 2 draft's "
+            f"selector chooses each token given the one before, so it verifies its chain ({name}=0)"
         )
     if schedule != "constant":
         raise ValueError(
-            f"block_size_schedule={schedule!r} adapts a chain; a tree (tree_budget={tree_budget}) needs 'constant'"
+            f"block_size_schedule={schedule!r} adapts a chain; a tree ({name}={tree_budget}) needs 'constant'"
         )
-    check_tree_supported(target, tree_budget, final_length)
+    try:
+        check_tree_supported(target, tree_budget, final_length)
+    except ValueError as reason:
+        if name == "tree_budget":
+            raise
+        raise ValueError(f"{name}={tree_budget} is verified as a draft tree: {reason}") from None
 
 
 def refuse_generate(self, *args, **kwargs):
@@ -449,6 +471,8 @@ def spec_generate(
     streamer: BaseStreamer | None = None,
     block_size_schedule: str = "constant",
     tree_budget: int | None = None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int = 2,
     top_p: float = 1.0,
     top_k: int = 0,
     cache_implementation: str | None = None,
@@ -492,6 +516,11 @@ def spec_generate(
         tree_budget: verify a draft tree of this many nodes (depth at most `block_size - 1`, built best-first from
             the one draft pass) instead of the argmax chain; 0 for the chain; defaults to `config.tree_budget`
             (absent, with the heuristic schedule, for a DFlash 2 draft or a hybrid target: the chain).
+        prompt_lookup_num_tokens: also verify, as one more branch of the round's tree, up to this many tokens that
+            followed an earlier occurrence of the last `max_matching_ngram_size` (down to 1) committed tokens in the
+            prompt and output (transformers' prompt-lookup rule); 0: none; defaults to
+            `config.prompt_lookup_num_tokens` (stepping aside where a tree does). Exact like any tree: every kept token
+            is the target's own choice given its prefix, whichever proposer put it there.
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
@@ -506,8 +535,15 @@ def spec_generate(
     if tree_budget is None:
         tree_budget = default_tree_budget(self, target, block_size_schedule, length)
     tree_budget = tree_budget or None
-    final_length = length(tree_budget)
+    if prompt_lookup_num_tokens is None:
+        prompt_lookup_num_tokens = default_tree_budget(
+            self, target, block_size_schedule, length, "prompt_lookup_num_tokens"
+        )
+    lookup = check_lookup_request(prompt_lookup_num_tokens, max_matching_ngram_size)
+    final_length = length((tree_budget or block_size - 1) + lookup if lookup else tree_budget)
     check_tree_request(self, target, tree_budget, block_size_schedule, final_length)
+    if lookup:  # a lookup branch makes every round a tree
+        check_tree_request(self, target, lookup, block_size_schedule, final_length, "prompt_lookup_num_tokens")
     cache_implementation = check_compile_request(
         compile_verify, cache_implementation, past_key_values, block_size_schedule
     )
@@ -523,6 +559,7 @@ def spec_generate(
     draft_cache, kv_slots = DynamicCache(), static_length(target_cache)  # a tree mask spans a static cache's slots
     input_ids = input_ids.to(target.device)
     prompt_len = input_ids.shape[1]
+    prompt = input_ids[0].tolist() if lookup else []
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
 
@@ -538,11 +575,13 @@ def spec_generate(
         block = block_size
         while not ending.done(new_tokens):
             logits, hidden = draft_step(self, embed, head, last, context, start, draft_cache, block)
-            if tree_budget is None:  # the chain: drafted and chosen tokens come to the host together, once
+            if tree_budget is None and not lookup:  # the chain: drafted and chosen tokens come to the host together
                 verify_ids = torch.cat([last, chain_proposal(self, logits, hidden, last, warpers, generator)], dim=1)
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
                 tree = propose(logits, tree_budget, warpers)
+                if lookup:
+                    tree = tree.with_branch(prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size))
                 verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
                 positions = tree.position_ids(start, input_ids.device)
                 mask = tree.attention_mask(start, target.dtype, input_ids.device, kv_slots)
@@ -558,7 +597,7 @@ def spec_generate(
             chosen = pick_tokens(out.logits, warpers, generator)
             tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
             drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]
-            tree = DraftTree.chain(drafted) if tree_budget is None else tree
+            tree = DraftTree.chain(drafted) if tree_budget is None and not lookup else tree
             path = tree.accept(chosen_ids)
             new_tokens += [tree.node_token(node) for node in path[1:]] + [chosen_ids[path[-1]]]
             acceptance_lengths.append(len(path))

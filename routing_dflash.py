@@ -199,6 +199,12 @@ def check_assisted_call(target, draft, call: dict) -> None:
             "sequence under the causal mask and crops the cache to a prefix, so it cannot verify a tree; use "
             "draft.spec_generate(target=..., tree_budget=N)"
         )
+    if setting("prompt_lookup_num_tokens") is not None:
+        raise ValueError(
+            "prompt_lookup_num_tokens is not supported with a DFlash assistant in target.generate: DFlash verifies the "
+            "lookup continuation as a branch of its draft tree, which the assisted loop cannot verify; use "
+            "draft.spec_generate(target=..., prompt_lookup_num_tokens=N)"
+        )
     if setting("cache_implementation") not in (None, "dynamic", "static"):
         raise ValueError(
             f"cache_implementation={setting('cache_implementation')!r} cannot be cropped; "
@@ -211,11 +217,12 @@ def check_assisted_call(target, draft, call: dict) -> None:
             "features of every prompt token; pass the whole prompt without a cache"
         )
     check_draft_fits_target(draft, target)
-    if getattr(draft.config, "tree_budget", None) is not None:  # a spec_generate default, not something asked here
-        logger.info_once(
-            f"the draft's config sets tree_budget={draft.config.tree_budget}, which only spec_generate "
-            "honours; target.generate verifies the argmax chain"
-        )
+    for name in ("tree_budget", "prompt_lookup_num_tokens"):  # spec_generate defaults, not something asked here
+        if getattr(draft.config, name, None) is not None:
+            logger.info_once(
+                f"the draft's config sets {name}={getattr(draft.config, name)}, which only spec_generate "
+                "honours; target.generate verifies the argmax chain"
+            )
 
 
 def routing_problem() -> str | None:

@@ -33,6 +33,19 @@ class DraftTree:
         """The token node `node >= 1` holds (node 0, the root, is the last committed token, held elsewhere)."""
         return self.tokens[node - 1]
 
+    def with_branch(self, branch: list[int]) -> "DraftTree":
+        """This tree plus `branch` (tokens below the root) as one more path; a prefix it shares with the tree reuses
+        the tree's nodes, and new nodes come after the old ones, parents first."""
+        tree = DraftTree(list(self.tokens), list(self.parents), list(self.depths))
+        children = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens), 1)}
+        node = 0
+        for depth, token in enumerate(branch, 1):
+            if (node, token) not in children:
+                tree.tokens.append(token), tree.parents.append(node), tree.depths.append(depth)
+                children[(node, token)] = len(tree.tokens)
+            node = children[(node, token)]
+        return tree
+
     def is_chain(self) -> bool:
         return self.parents == list(range(len(self.tokens)))
 
@@ -100,6 +113,19 @@ def propose(logits: torch.Tensor, budget: int | None, warpers=None) -> DraftTree
         return DraftTree.chain(logits[0].argmax(dim=-1).tolist())
     scores = warpers(None, logits[0].float()) if warpers else logits[0].float()
     return build_tree(torch.log_softmax(scores, dim=-1), budget)
+
+
+def prompt_lookup(tokens: list[int], num_tokens: int, max_ngram: int = 2) -> list[int]:
+    """transformers' prompt-lookup rule (`PromptLookupCandidateGenerator`): the up to `num_tokens` tokens that
+    followed the earliest earlier occurrence of the last `n` tokens, trying `n = max_ngram` down to 1; none if nothing
+    matches."""
+    length = len(tokens)
+    for size in range(min(max_ngram, length - 1), 0, -1):
+        suffix = tokens[length - size :]
+        for start in range(length - size):
+            if tokens[start : start + size] == suffix:
+                return tokens[start + size : start + size + num_tokens]
+    return []
 
 
 def check_tree_supported(target, tree_budget: int, final_length: int) -> None:

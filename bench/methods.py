@@ -197,6 +197,11 @@ def hf_dflash(ctx: Context, block_size: int | None) -> Run:
     return with_block_size(ctx, block_size, hf_generate(ctx, assistant_model=ctx.draft, speculation_type="dflash"))
 
 
+def spec_generate_lookup(ctx: Context, block_size: int | None) -> Run:
+    """`spec_generate` (the config's tree) with a prompt-lookup branch of `block_size - 1` tokens in every round."""
+    return spec_generate(ctx, block_size, prompt_lookup_num_tokens=max(block_size - 1, 1))
+
+
 def prompt_lookup(ctx: Context, block_size: int | None) -> Run:
     """transformers' prompt-lookup decoding, proposing `block_size - 1` tokens like a DFlash block."""
     return hf_generate(ctx, prompt_lookup_num_tokens=max(block_size - 1, 1))
@@ -206,10 +211,12 @@ TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "plain": plain,
     "spec-generate": spec_generate,
     "spec-generate-heuristic": functools.partial(spec_generate, schedule="heuristic"),
-    "spec-generate-chain": functools.partial(spec_generate, tree_budget=0),
-    "spec-generate-tree": spec_generate,  # one method per --tree-budget, named spec-generate-tree<N>
+    "spec-generate-chain": functools.partial(spec_generate, tree_budget=0, prompt_lookup_num_tokens=0),
+    # one method per --tree-budget, named spec-generate-tree<N>: the draft's tree alone, no lookup branch
+    "spec-generate-tree": functools.partial(spec_generate, prompt_lookup_num_tokens=0),
     "spec-generate-static": functools.partial(spec_generate, cache_implementation="static"),
     "spec-generate-compiled": functools.partial(spec_generate, compile_verify=True),  # compiled in the warm-up
+    "spec-generate-lookup": spec_generate_lookup,
     "assisted": assisted,
     "assisted-sample": assisted_sample,
     "hf-dflash": hf_dflash,

@@ -304,6 +304,7 @@ def test_sampling_matches_target_distribution(proposal):
         ({"num_assistant_tokens_schedule": "heuristic_transient"}, "schedule 'heuristic_transient' is not supported"),
         ({"tree_budget": 8}, "cannot verify a tree; use draft.spec_generate"),
         ({"generation_config": GenerationConfig(tree_budget=8, max_new_tokens=4)}, "cannot verify a tree"),
+        ({"prompt_lookup_num_tokens": 4}, "prompt_lookup_num_tokens is not supported .* use draft.spec_generate"),
     ],
 )
 def test_unsupported_options_are_refused(kwargs, message):

@@ -137,11 +137,32 @@ def test_spec_generate_with_a_tree_equals_plain(models, prompts, block_size, bud
             expected = plain(target, tokenizer, ids)
             verify_lengths.clear()
             stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id],
-                                        block_size=block_size, tree_budget=budget, return_stats=True)
+                                        block_size=block_size, tree_budget=budget, prompt_lookup_num_tokens=0, return_stats=True)
             assert torch.equal(stats.output_ids, expected), f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1]:])!r}"
             assert set(verify_lengths[1:]) == {budget + 1}, "every round verified a tree of the budget"
     finally:
         hook.remove()
+
+
+def test_shipped_lookup_branches_equal_plain_and_raise_acceptance(models, prompts):
+    """The shipped config's tree plus prompt-lookup branch, on chat prompts: plain greedy output, some rounds verify
+    extra lookup nodes, and acceptance beats the same tree without them."""
+    target, tokenizer, draft = models
+    assert draft.config.prompt_lookup_num_tokens and draft.config.tree_budget
+    verify_lengths, with_lookup, without = [], [], []
+    hook = target.register_forward_pre_hook(lambda m, a, kw: verify_lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        for name, ids in prompts.items():
+            stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, return_stats=True)
+            expected = plain(target, tokenizer, ids)
+            assert torch.equal(stats.output_ids, expected), f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1]:])!r}"
+            with_lookup += stats.acceptance_lengths
+            without += draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, prompt_lookup_num_tokens=0,
+                                           return_stats=True).acceptance_lengths
+    finally:
+        hook.remove()
+    assert max(verify_lengths) > draft.config.tree_budget + 1, "some round verified lookup nodes beyond the draft's tree"
+    assert sum(with_lookup) / len(with_lookup) > sum(without) / len(without)
 
 
 STATIC_CROPPABLE = getattr(__import__("transformers").cache_utils.StaticLayer, "is_croppable", False)

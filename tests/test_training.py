@@ -293,11 +293,13 @@ def test_export_refuses_a_draft_that_scores_below_the_shipped_one(tmp_path):
         install_if_better(worse, repo, score)
     assert (repo / "model.safetensors").read_bytes() == shipped
     shipped_config = DFlashConfig.from_pretrained(repo)
-    shipped_config.tree_budget = 4  # a decode setting chosen by measurement, which a re-export must keep
+    shipped_config.tree_budget = 4  # decode settings chosen by measurement, which a re-export must keep
+    shipped_config.prompt_lookup_num_tokens = 7
     shipped_config.save_pretrained(repo)
     assert install_if_better(worse, repo, score, force=True) == {"new": 1.2, "shipped": 1.5}
     installed = json.loads((repo / "config.json").read_text())
     assert installed["num_hidden_layers"] == 1 and installed["dflash_config"]["tree_budget"] == 4
+    assert installed["dflash_config"]["prompt_lookup_num_tokens"] == 7
     assert DFlashDraftModel.from_pretrained(repo).config.block_size == 8
     assert seen[-2:] == [(1, 8), (2, 8)]  # the shipped draft (block 4) is scored at the new draft's block size
     with pytest.raises(SystemExit, match="not a DFlash model repo"):

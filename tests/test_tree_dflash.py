@@ -18,9 +18,10 @@ from conftest import (
     make_draft,
     make_draft_config,
     make_target,
+    sample_two_tokens,
 )
 from cache_dflash import cache_kwarg, compact_cache
-from tree_dflash import DraftTree, build_tree
+from tree_dflash import DraftTree, build_tree, prompt_lookup
 
 
 def cached_pass(target, cache: DynamicCache, **kwargs) -> None:
@@ -253,3 +254,116 @@ def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
     with pytest.warns(UserWarning, match="takes a custom 4D mask"):
         assert generation_dflash.default_tree_budget(draft, fa2, "constant") is None
     assert generation_dflash.default_tree_budget(draft, make_target("llama"), "constant") == 4
+    draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = None, 3  # a config's lookup branch steps aside too
+    lengths.clear()
+    with pytest.warns(UserWarning, match="instead of the draft config's prompt_lookup_num_tokens=3: .*sliding-window"):
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32)
+    assert torch.equal(out, expected) and set(lengths[1:]) == {8}, lengths
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=3.*sliding-window mask"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32, prompt_lookup_num_tokens=3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompt-lookup branches.
+
+
+def test_prompt_lookup_follows_transformers_rule():
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        ids = torch.randint(3, 9, (1, int(torch.randint(2, 40, (1,), generator=g))), generator=g)
+        num, ngram = int(torch.randint(1, 8, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        theirs = PromptLookupCandidateGenerator(num_output_tokens=num, max_matching_ngram_size=ngram, max_length=10**6)
+        candidates, _ = theirs.get_candidates(ids)
+        assert prompt_lookup(ids[0].tolist(), num, ngram) == candidates[0, ids.shape[1] :].tolist(), trial
+
+
+def test_a_branch_reuses_the_shared_prefix_and_keeps_parents_first():
+    tree = DraftTree([5, 6, 9, 7], [0, 1, 0, 2], [1, 2, 1, 3])  # 5 -> 6 -> 7 and 9
+    merged = tree.with_branch([5, 6, 8, 4])
+    assert merged.tokens == [5, 6, 9, 7, 8, 4] and merged.parents == [0, 1, 0, 2, 2, 5] and merged.depths == [1, 2, 1, 3, 3, 4]
+    assert tree.tokens == [5, 6, 9, 7]  # the draft's tree is left as it was
+    assert merged.accept([5, 6, 8, 0, 0, 4, 1]) == [0, 1, 2, 5, 6]  # the walk goes down the lookup branch
+    assert tree.with_branch([5, 6]) == tree and tree.with_branch([]) == tree
+
+
+def lookup_nodes_taken(paths: list[list[int]], draft_nodes: int) -> int:
+    """Rounds whose accepted path went through a node only the lookup branch added (appended after the draft's)."""
+    return sum(any(node > draft_nodes for node in path) for path in paths)
+
+
+@pytest.mark.parametrize("budget", [0, 4])
+@pytest.mark.parametrize("lookup", [1, 3, 7])
+def test_lookup_branches_keep_greedy_exact_at_every_partial_acceptance(budget, lookup, recorded_paths):
+    """A draft right for k tokens per block, then wrong, plus lookup branches: output equals plain greedy at every k,
+    and with k = 0 (the draft never right) the lookup branch alone is accepted in some rounds."""
+    target = make_target("qwen3")
+    paths, _ = recorded_paths
+    taken = 0
+    for seed in range(3):
+        ids = torch.randint(3, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(seed))
+        max_new = 40
+        reference = greedy_reference(target, ids, max_new + 8)
+        for k in range(0, 7, 2):
+            paths.clear()
+            draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
+            out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, tree_budget=budget,
+                                      prompt_lookup_num_tokens=lookup, return_stats=True)
+            assert torch.equal(out.output_ids, reference[:, : 6 + max_new]), f"seed={seed} k={k}"
+            if k == 0:
+                taken += lookup_nodes_taken(paths, budget or 7)
+                assert max(out.acceptance_lengths) > 1 or not taken
+    assert taken > 0, "no round accepted a lookup-only branch"
+
+
+def planted_prompt(target) -> torch.Tensor:
+    """A prompt `[z, c1, c2, y.., z]` whose greedy continuation is `c1, c2`: after sampling `c1`, lookup proposes `c2`."""
+    for seed in range(100):
+        body = torch.randint(3, VOCAB - 1, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        planted = [0, 0]
+        for _ in range(4):
+            ids = torch.tensor([[body[-1], *planted, *body]])
+            found = greedy_reference(target, ids, 2)[0, -2:].tolist()
+            if found == planted:
+                return ids
+            planted = found
+    raise AssertionError("no prompt found")
+
+
+def test_lookup_branch_sampling_matches_target_distribution(recorded_paths):
+    """Chi-square of two sampled tokens against the exact distribution, with a wrong draft and a lookup branch that
+    the walk takes in a good share of the runs (checked); fails at p < 1e-4."""
+    target = make_target("llama", initializer_range=0.5)
+    ids = planted_prompt(target)
+    temperature, n = 1.0, 2000
+    exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
+    draft = OracleDraft(make_draft_config()).eval().setup(target, torch.zeros(1, 64, dtype=torch.long), -1)  # never right
+    paths, _ = recorded_paths
+    counts, _ = sample_two_tokens(draft, target, ids, n, temperature, new_tokens=2, prompt_lookup_num_tokens=4, tree_budget=2)
+    taken = lookup_nodes_taken(paths, 2)
+    assert taken > n // 20, f"the lookup branch was accepted in {taken} of {n} runs"
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_draft_config_sets_the_default_lookup_and_bad_settings_are_refused():
+    target, draft = make_target("llama"), make_draft()
+    ids = torch.tensor([[5, 6, 7, 5, 6]])
+    sizes = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    draft.config.prompt_lookup_num_tokens = 3
+    assert draft.config.to_dict()["dflash_config"]["prompt_lookup_num_tokens"] == 3
+    out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, tree_budget=0)
+    assert torch.equal(out, greedy_reference(target, ids, 12))
+    assert max(sizes[1:]) > 8  # the chain's 8 tokens plus a lookup branch
+    sizes.clear()
+    draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, tree_budget=0, prompt_lookup_num_tokens=0)
+    assert max(sizes[1:]) == 8
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+            draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=bad)
+    with pytest.raises(ValueError, match="max_matching_ngram_size"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, max_matching_ngram_size=0)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=2.*'constant'"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, block_size_schedule="heuristic")

@@ -19,7 +19,7 @@ from modeling_dflash import DFlashDraftModel
 from .trainer import DRAFT_FILES, install_weights
 
 logger = logging.getLogger(__name__)
-DECODE_SETTINGS = ("tree_budget",)
+DECODE_SETTINGS = ("tree_budget", "prompt_lookup_num_tokens")
 
 
 def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftModel], float], *, force: bool = False) -> dict:
