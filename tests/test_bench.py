@@ -301,3 +301,21 @@ def test_step_costs_prints_the_verify_curve_and_round_costs(model_dirs, capsys, 
     out = capsys.readouterr().out
     assert out.startswith(f"{dtype}, context 8") and "n=32:" in out and "(1.00x)" in out
     assert all(f"block {b:2d} round: draft" in out for b in (4, 8, 16))
+
+
+def test_round_profile_times_every_part_of_real_rounds_and_restores_the_loop():
+    import generation_dflash
+    from bench.round_profile import profile, report
+    from conftest import make_draft, make_target
+
+    target, draft = make_target("llama"), make_draft()
+    draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = 4, 3
+    originals = {name: getattr(generation_dflash, name) for name in ("draft_step", "propose", "verify_forward")}
+    with torch.inference_mode():
+        result = profile(target, draft, [torch.tensor([[5, 6, 7, 5, 6]]), torch.tensor([[9, 8]])], max_new_tokens=12)
+    assert {"draft", "tree", "lookup", "verify", "accept", "compaction", "rest"} <= set(result["parts"])
+    assert all(result["parts"][p] > 0 for p in ("draft", "tree", "verify"))
+    assert sum(result["parts"].values()) == pytest.approx(result["round"])
+    assert result["tau"] >= 1 and result["decode_step"] > 0
+    assert "beyond the verify" in report(torch.float32, result)
+    assert all(getattr(generation_dflash, name) is fn for name, fn in originals.items())

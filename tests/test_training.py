@@ -731,3 +731,17 @@ def test_num_anchors_flag_takes_a_count_or_dense(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--output", "x"], features_only=True)  # building needs --feature-cache
     assert "expected a positive integer or 'dense'" in capsys.readouterr().err
+
+
+def test_resume_accepts_the_same_draft_loaded_from_another_folder(tmp_path):
+    target = make_target("llama")
+    data = random_sequences(4)
+    for name in ("a", "b"):
+        save_draft(tiny_draft(target), tmp_path / name)
+    first = DFlashDraftModel.from_pretrained(tmp_path / "a")
+    train(first, target, data, tmp_path / "run", quick_config(max_steps=4, stop_after=2), progress=False)
+    again = DFlashDraftModel.from_pretrained(tmp_path / "b")  # the same config, another path
+    assert train(again, target, data, tmp_path / "run", quick_config(max_steps=4), progress=False)["step"] == 4
+    other = tiny_draft(target, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="different draft config"):
+        train(other, target, data, tmp_path / "run", quick_config(max_steps=6), progress=False)

@@ -284,6 +284,11 @@ def full_to_subset(labels: torch.Tensor, label_mask: torch.Tensor, vocab: torch.
 # Checkpoints and output.
 
 
+def same_architecture(config: dict) -> dict:
+    """A draft config without where it was loaded from: resuming from another copy of the same draft is fine."""
+    return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+
+
 def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str = "cosine", decay_ratio: float = 0.2):
     """LR factor by step (never by wall time, so a resumed run follows the same curve)."""
     if schedule not in ("cosine", "wsd"):
@@ -481,7 +486,7 @@ def train(
     checkpoint_path = Path(run_dir) / CHECKPOINT_NAME
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        if state["draft_config"] != draft.config.to_dict():
+        if same_architecture(state["draft_config"]) != same_architecture(draft.config.to_dict()):
             raise ValueError(f"{checkpoint_path} was written for a different draft config; use another --run-dir")
         if not allow_changed_settings:
             check_resume(state.get("fingerprint"), fingerprint, checkpoint_path)
