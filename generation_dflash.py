@@ -519,8 +519,9 @@ def spec_generate(
         prompt_lookup_num_tokens: also verify, as one more branch of the round's tree, up to this many tokens that
             followed an earlier occurrence of the last `max_matching_ngram_size` (down to 1) committed tokens in the
             prompt and output (transformers' prompt-lookup rule); 0: none; defaults to
-            `config.prompt_lookup_num_tokens` (stepping aside where a tree does). Exact like any tree: every kept token
-            is the target's own choice given its prefix, whichever proposer put it there.
+            `config.prompt_lookup_num_tokens` (stepping aside where a tree does, and for `compile_verify`, whose graph
+            wants one tree size). Exact like any tree: every kept token is the target's own choice given its prefix,
+            whichever proposer put it there.
 
     Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
@@ -535,9 +536,10 @@ def spec_generate(
     if tree_budget is None:
         tree_budget = default_tree_budget(self, target, block_size_schedule, length)
     tree_budget = tree_budget or None
-    if prompt_lookup_num_tokens is None:
+    if prompt_lookup_num_tokens is None and not compile_verify:  # a compiled verify wants one tree size
         prompt_lookup_num_tokens = default_tree_budget(
-            self, target, block_size_schedule, length, "prompt_lookup_num_tokens"
+            self, target, block_size_schedule, lambda n: length((tree_budget or block_size - 1) + n),
+            "prompt_lookup_num_tokens",
         )
     lookup = check_lookup_request(prompt_lookup_num_tokens, max_matching_ngram_size)
     final_length = length((tree_budget or block_size - 1) + lookup if lookup else tree_budget)

@@ -80,6 +80,7 @@ def main() -> None:
     draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).eval()
     args.block_size = args.block_size or draft.config.block_size
     tree_budget = default_tree_budget(draft, target, args.block_size_schedule)
+    lookup = default_tree_budget(draft, target, args.block_size_schedule, name="prompt_lookup_num_tokens")
     messages = [{"role": "user", "content": args.prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], temperature=args.temperature)
@@ -97,7 +98,7 @@ def main() -> None:
     lines = [
         f"\nDFlash: {stats.num_output_tokens} tokens in {dflash_s:.2f} s = {dflash_tps:.1f} tok/s, "
         f"mean acceptance length {stats.mean_acceptance_length:.2f} (block {args.block_size}, {args.block_size_schedule}"
-        f"{f', tree of {tree_budget}' if tree_budget else ''}, {dtype})",
+        f"{f', tree of {tree_budget}' if tree_budget else ''}{f', lookup branch of {lookup}' if lookup else ''}, {dtype})",
         f"plain:  {plain_new} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s ({dtype})",
     ]
     if dtype != "float32":  # the exact mode's speed too, so both gains show

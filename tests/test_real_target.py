@@ -101,8 +101,9 @@ def test_some_answer_ends_with_eos_inside_the_budget(models, prompts):
     assert out[0, -1] == tokenizer.eos_token_id and out.shape[1] - prompts["math"].shape[1] < MAX_NEW
 
 
-# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.51 (stage 4): raise it with a better draft
-TAU_FLOOR = 1.45
+# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.65 (stage 6, tree of 4 + lookup branch of 7;
+# stage 4 with the tree alone: 1.51): raise it with a better draft
+TAU_FLOOR = 1.60
 
 
 def test_the_shipped_draft_keeps_its_acceptance(models, prompts):
