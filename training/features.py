@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +20,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bench.io import write_json_atomic
+
 from .data import Sequence
-from .trainer import data_hash, target_greedy, target_pass
+from .trainer import collate, data_hash, target_greedy, target_pass
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -70,13 +71,6 @@ def check_manifest(found: dict, expected: dict, path: Path) -> None:
                          "use another --feature-cache folder (or delete that one)")
 
 
-def write_json_atomic(obj: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
 def shard_ranges(sequences: list[Sequence], shard_tokens: int) -> list[tuple[int, int]]:
     """Consecutive `[start, end)` sequence ranges of about `shard_tokens` tokens each."""
     ranges, start, tokens = [], 0, 0
@@ -96,8 +90,6 @@ def shard_tensors(target, sequences: list[Sequence], layer_ids: list[int], batch
 
     Batches group sequences of similar length (less padding); the target's head runs only from the response on.
     """
-    from .trainer import collate
-
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].input_ids))
     rows: dict[int, tuple] = {}
     device = target.device
@@ -151,11 +143,11 @@ def build_feature_cache(target, sequences: list[Sequence], cache_dir: Path, laye
         save_file(tensors, tmp)
         os.replace(tmp, cache_dir / name)
         manifest["shards"].append({"file": name, "start": a, "end": b})
-        write_json_atomic(manifest, manifest_path)
+        write_json_atomic(manifest_path, manifest)
         bar.update(int(tensors["offsets"][-1]))
     bar.close()
     manifest["complete"] = True
-    write_json_atomic(manifest, manifest_path)
+    write_json_atomic(manifest_path, manifest)
     return FeatureCache(cache_dir)
 
 
@@ -172,6 +164,7 @@ class FeatureCache:
             raise ValueError(f"the feature cache in {self.path} is incomplete; re-run its build command to finish it")
         self.shards = [safe_open(self.path / s["file"], "pt") for s in self.manifest["shards"]]
         self.offsets = [f.get_tensor("offsets") for f in self.shards]
+        self.loss_starts = [f.get_tensor("loss_starts") for f in self.shards]
         self.where = [(k, i - s["start"]) for k, s in enumerate(self.manifest["shards"]) for i in range(s["start"], s["end"])]
 
     def __len__(self) -> int:
@@ -193,8 +186,7 @@ class FeatureCache:
         """Right-padded `[b, L, ...]` tensors (features in float32, as the draft's `fc` takes them)."""
         rows = [self.sequence(i) for i in indices]
         pad = torch.nn.utils.rnn.pad_sequence
-        shard_row = [self.where[i] for i in indices]
-        loss_starts = [int(self.shards[k].get_slice("loss_starts")[r : r + 1][0]) for k, r in shard_row]
+        loss_starts = [int(self.loss_starts[k][r]) for k, r in (self.where[i] for i in indices)]
         batch = {
             "input_ids": pad([r["input_ids"].long() for r in rows], batch_first=True, padding_value=pad_id).to(device),
             "lengths": torch.tensor([len(r["input_ids"]) for r in rows], device=device),
