@@ -43,9 +43,18 @@ def convert_gguf(destination: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         add_top_level_rope_theta(tmp / "config.json")
-        tmp.rename(destination)
+        install_folder(tmp, destination)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def install_folder(tmp: Path, destination: Path) -> None:
+    """Renames `tmp` to `destination`; when another process's conversion got there first, its folder is kept."""
+    try:
+        tmp.rename(destination)
+    except OSError:
+        if not (destination / "config.json").exists():
+            raise
 
 
 def add_top_level_rope_theta(config_file: Path) -> None:

@@ -28,3 +28,20 @@ def test_rope_theta_is_copied_to_the_top_level(tmp_path):
     add_top_level_rope_theta(config)
     assert json.loads(config.read_text())["rope_theta"] == 100000.0
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_concurrent_conversion_keeps_the_finished_folder(tmp_path):
+    from default_target import install_folder
+
+    destination, first, second = tmp_path / "target", tmp_path / ".a", tmp_path / ".b"
+    for folder, text in [(first, "first"), (second, "second")]:
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+    install_folder(first, destination)
+    install_folder(second, destination)  # the slower process: no error, the finished folder stays
+    assert (destination / "config.json").read_text() == "first"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "stray").write_text("")  # a folder without a config is not a finished conversion
+    with pytest.raises(OSError):
+        install_folder(second, broken)
