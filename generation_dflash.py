@@ -41,7 +41,9 @@ class SpecGenerateOutput:
 
     @property
     def mean_acceptance_length(self) -> float:
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+        """Over every round; a batch's `acceptance_lengths` holds one list per row."""
+        rounds = [n for row in self.acceptance_lengths for n in (row if isinstance(row, list) else [row])]
+        return sum(rounds) / max(len(rounds), 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -92,20 +94,17 @@ def stop_ids(target, stop_token_ids) -> set[int]:
 
 
 def prompt_tensor(target, input_ids) -> torch.Tensor:
-    """The `[1, prompt_len]` ids of a call, from a tensor or a tokenizer's output (`BatchEncoding`, any mapping
+    """The `[b, prompt_len]` ids of a call, from a tensor or a tokenizer's output (`BatchEncoding`, any mapping
     with `input_ids`), refused by name when they cannot be a prompt for `target`."""
     if target is None or not callable(getattr(target, "get_input_embeddings", None)):
         raise ValueError(f"target must be a transformers causal LM, got {type(target).__name__}")
     if isinstance(input_ids, Mapping):
         if "input_ids" not in input_ids:
             raise ValueError(f"input_ids is a mapping without an 'input_ids' entry (keys: {sorted(input_ids)})")
-        mask = input_ids.get("attention_mask")
-        if mask is not None and not bool(torch.as_tensor(mask).all()):
-            raise ValueError("the attention_mask marks padding: DFlash decodes one unpadded prompt")
         input_ids = input_ids["input_ids"]
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(
-            f"input_ids must be a tensor of token ids of shape [1, prompt_len] (e.g. tokenizer(text, "
+            f"input_ids must be a tensor of token ids of shape [batch, prompt_len] (e.g. tokenizer(text, "
             f"return_tensors='pt')), got {type(input_ids).__name__}"
         )
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -121,10 +120,8 @@ def check_generation_inputs(input_ids: torch.Tensor, max_new_tokens: int, block_
     for name, value in (("max_new_tokens", max_new_tokens), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(
-            f"DFlash decodes one sequence at a time (batch size 1); got input_ids of shape {tuple(input_ids.shape)}"
-        )
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids must have shape [batch, prompt_len], got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: DFlash needs at least one input token")
     if max_new_tokens < 1:
@@ -250,6 +247,13 @@ def check_lookup_request(num_tokens: int | None, max_ngram: int) -> int:
     return num_tokens
 
 
+def check_min_prob(min_prob: float, tree_budget: int | None) -> None:
+    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
+        raise ValueError(f"tree_min_prob must be a probability in [0, 1), got {min_prob!r}")
+    if min_prob and tree_budget is None:
+        raise ValueError("tree_min_prob sizes a draft tree, and this call verifies the chain: set tree_budget too")
+
+
 def check_tree_request(
     draft, target, tree_budget: int | None, schedule: str, final_length: int, name: str = "tree_budget"
 ) -> None:
@@ -337,38 +341,47 @@ def draft_embedding(draft, target) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda ids: torch.nn.functional.embedding(ids, embed.weight) * scale
 
 
-def draft_head(draft, lm_head) -> Callable[[torch.Tensor], torch.Tensor]:
+class DraftHead:
     """The target's head as the draft proposes with it: times `output_multiplier`, then soft-capped by
     `final_logit_softcapping` (`tanh(x / c) * c`) where the config sets them; over `config.draft_vocab` only, when the
-    draft was trained on that subset (FR-Spec), with -inf for every other token. The target still verifies over
-    its whole vocabulary with its own head."""
-    multiplier = draft.config.dflash_field("output_multiplier")
-    cap = draft.config.dflash_field("final_logit_softcapping")
-    vocab = getattr(draft.config, "draft_vocab", None)
-    ids = None if vocab is None else torch.tensor(vocab, device=lm_head.weight.device)
-    weight, bias = (
-        (lm_head.weight, lm_head.bias)
-        if ids is None
-        else (lm_head.weight[ids], None if lm_head.bias is None else lm_head.bias[ids])
-    )
+    draft was trained on that subset (FR-Spec). The target still verifies over its whole vocabulary with its own head.
 
-    def head(hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, weight, bias)
-        if multiplier is not None:
-            logits = logits * multiplier
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        if ids is None:
+    `head(hidden)` gives logits over the whole vocabulary (-inf outside the draft's); `head.scores(hidden)` gives them
+    over the draft's vocabulary only, which `head.vocab` maps back to token ids (None: the whole vocabulary)."""
+
+    def __init__(self, draft, lm_head):
+        self.multiplier = draft.config.dflash_field("output_multiplier")
+        self.cap = draft.config.dflash_field("final_logit_softcapping")
+        self.vocab_size = lm_head.weight.shape[0]
+        vocab = getattr(draft.config, "draft_vocab", None)
+        self.vocab = None if vocab is None else torch.tensor(vocab, device=lm_head.weight.device)
+        self.weight, self.bias = lm_head.weight, lm_head.bias
+        if self.vocab is not None:
+            self.weight = self.weight[self.vocab]
+            self.bias = None if self.bias is None else self.bias[self.vocab]
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        # 2D: a sliced block fails matmul's fold check, and its bmm would copy the whole head weight every call
+        logits = torch.nn.functional.linear(hidden.flatten(0, -2), self.weight, self.bias)
+        logits = logits.unflatten(0, hidden.shape[:-1])
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
+        if self.cap:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.scores(hidden)
+        if self.vocab is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
-        return full.index_copy_(-1, ids, logits)
-
-    return head
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab, logits)
 
 
 def draft_step(draft, embed, head, last_token, context, start, cache, block_size) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft pass: `[1, block_size - 1, vocab]` logits (`head` maps hidden states to logits, `draft_head`) and
-    the `[1, block_size - 1, hidden]` hidden states they came from, for the tokens after `last_token` (at `start`)."""
+    """One draft pass: `[1, block_size - 1, vocab]` logits (`head`, a `DraftHead` or its `scores`, maps hidden states
+    to logits) and the `[1, block_size - 1, hidden]` hidden states they came from, for the tokens after `last_token`
+    (at `start`)."""
     block = torch.full((1, block_size), draft.config.mask_token_id, dtype=torch.long, device=last_token.device)
     block[:, :1] = last_token
     positions = torch.arange(start - context.shape[1], start + block_size, device=block.device)[None]
@@ -388,11 +401,13 @@ def choose_block(draft, logits, hidden, last_token, choose) -> torch.Tensor:
     return torch.stack([choose(logits[:, i]) for i in range(logits.shape[1])], dim=1)
 
 
-def chain_proposal(draft, logits, hidden, last_token, warpers, generator=None) -> torch.Tensor:
+def chain_proposal(draft, logits, hidden, last_token, warpers, generator=None, vocab=None) -> torch.Tensor:
     """The chain `spec_generate` verifies: the draft's argmax (any proposal is exact under the one-hot rule), or a
-    DFlash 2 selector's walk, greedy, or sampled from its warped scores when the call samples (as z-lab's reference)."""
+    DFlash 2 selector's walk, greedy, or sampled from its warped scores when the call samples (as z-lab's reference).
+    `vocab` maps the columns of `logits` to token ids when they cover only the draft's vocabulary."""
     if not draft.has_selector:
-        return logits.argmax(dim=-1)
+        best = logits.max(dim=-1).indices
+        return best if vocab is None else vocab[best]
     return choose_block(
         draft, logits, hidden, last_token, lambda scores: pick_tokens(scores[:, None], warpers, generator)[:, 0]
     )
@@ -422,11 +437,11 @@ def pick_tokens(
     logits: torch.Tensor, warpers: LogitsProcessorList, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Greedy without warpers, else one independent sample per position from the warped distribution.
-    `logits`: `[1, n, vocab]`."""
+    `logits`: `[b, n, vocab]`."""
     if not warpers:
-        return logits.argmax(dim=-1)
-    scores = warpers(None, logits[0].float())  # these warpers never read the input ids
-    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).T
+        return logits.max(dim=-1).indices  # the first maximum, as argmax, at a fifth of bf16 argmax's cost on CPU
+    scores = warpers(None, logits.flatten(0, 1).float())  # these warpers never read the input ids
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).view(logits.shape[:2])
 
 
 class OutputEnd:
@@ -462,6 +477,7 @@ def spec_generate(
     target,
     input_ids: torch.LongTensor,
     max_new_tokens: int = 2048,
+    attention_mask: torch.Tensor | None = None,
     stop_token_ids: list[int] | int | None = EOS_FROM_GENERATION_CONFIG,
     temperature: float = 0.0,
     *,
@@ -471,6 +487,7 @@ def spec_generate(
     streamer: BaseStreamer | None = None,
     block_size_schedule: str = "constant",
     tree_budget: int | None = None,
+    tree_min_prob: float = 0.0,
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int = 2,
     top_p: float = 1.0,
@@ -478,6 +495,7 @@ def spec_generate(
     cache_implementation: str | None = None,
     past_key_values=None,
     compile_verify: bool = False,
+    pad_token_id: int | None = None,
 ):
     """Generates with `target`, drafting blocks with this DFlash draft. Output equals the target's own decoding with
     this call's settings: identical tokens at `temperature=0` (in float32), the same distribution above it.
@@ -490,9 +508,13 @@ def spec_generate(
 
     Args:
         target: a transformers causal LM whose hidden states this draft was trained on.
-        input_ids: `[1, prompt_len]` prompt ids, or a tokenizer's output holding them (`apply_chat_template(...,
-            return_dict=True, return_tensors="pt")`).
+        input_ids: `[1, prompt_len]` prompt ids (or `[b, prompt_len]`, left-padded), or a tokenizer's output
+            holding them and their attention mask (`apply_chat_template(..., return_dict=True, return_tensors="pt")`).
         max_new_tokens: at most this many new tokens.
+        attention_mask: with a batch, its `[b, prompt_len]` 0/1 mask; the prompts must be left-padded
+            (`tokenizer.padding_side = "left"`). A batch (more than one row, or padding) decodes together, every row
+            accepting its own prefix, and returns `[b, prompt_len + new]` ids padded after each row's end
+            (`batch_dflash.py`; chains only).
         stop_token_ids: generation ends after the first of these tokens (it is kept); one id or a list. Omitted: the
             target's `generation_config.eos_token_id`, where `generate` stops too; None: no stop token (z-lab's
             meaning). That is all `spec_generate` reads from the generation config: its own arguments decide the
@@ -501,6 +523,8 @@ def spec_generate(
         temperature: 0 for greedy decoding.
         cache_implementation: the target's cache, `"dynamic"` (default) or `"static"` (preallocated for the prompt,
             `max_new_tokens` and one verify; needs transformers 5 or newer, whose static layers can be cropped).
+        pad_token_id: what pads a batch's rows after their end (default: the generation config's pad token, else
+            the stop token, as `generate`).
         past_key_values: an empty cache object to use instead (any whose layers can be cropped).
         compile_verify: run the verify passes through `torch.compile(target.forward)` (compiled on the first call and
             kept for the target); needs a static cache, which it then uses by default (a power of two of at least 1024
@@ -516,6 +540,9 @@ def spec_generate(
         tree_budget: verify a draft tree of this many nodes (depth at most `block_size - 1`, built best-first from
             the one draft pass) instead of the argmax chain; 0 for the chain; defaults to `config.tree_budget`
             (absent, with the heuristic schedule, for a DFlash 2 draft or a hybrid target: the chain).
+        tree_min_prob: leave out of the tree every node whose path has a draft probability below this, so a round
+            whose draft is unsure verifies fewer tokens (none: a plain decode step plus any lookup branch). Pays where
+            a verify's cost grows with its length (float32 here), not where it is flat (bfloat16 here); 0: off.
         prompt_lookup_num_tokens: also verify, as one more branch of the round's tree, up to this many tokens that
             followed an earlier occurrence of the last `max_matching_ngram_size` (down to 1) committed tokens in the
             prompt and output (transformers' prompt-lookup rule); 0: none; defaults to
@@ -523,8 +550,10 @@ def spec_generate(
             wants one tree size). Exact like any tree: every kept token is the target's own choice given its prefix,
             whichever proposer put it there.
 
-    Returns `[1, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
+    Returns `[b, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
+    if isinstance(input_ids, Mapping) and attention_mask is None:
+        attention_mask = input_ids.get("attention_mask")
     input_ids = prompt_tensor(target, input_ids)
     block_size = block_size or self.config.block_size
     check_generation_inputs(input_ids, max_new_tokens, block_size)
@@ -532,6 +561,15 @@ def spec_generate(
     check_schedule(block_size_schedule)
     check_draft_fits_target(self, target)
     warn_generation_config_not_applied(target)
+    if input_ids.shape[0] > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())):
+        return self._batched_spec_generate(
+            target, input_ids, attention_mask, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+            temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size, return_stats=return_stats,
+            generator=generator, pad_token_id=pad_token_id, streamer=streamer,
+            block_size_schedule=None if block_size_schedule == "constant" else block_size_schedule,
+            tree_budget=tree_budget, tree_min_prob=tree_min_prob, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+            cache_implementation=cache_implementation, past_key_values=past_key_values, compile_verify=compile_verify,
+        )
     length = functools.partial(verified_length, input_ids.shape[1], max_new_tokens, block_size)
     if tree_budget is None:
         tree_budget = default_tree_budget(self, target, block_size_schedule, length)
@@ -543,6 +581,7 @@ def spec_generate(
         )
     lookup = check_lookup_request(prompt_lookup_num_tokens, max_matching_ngram_size)
     final_length = length((tree_budget or block_size - 1) + lookup if lookup else tree_budget)
+    check_min_prob(tree_min_prob, tree_budget)
     check_tree_request(self, target, tree_budget, block_size_schedule, final_length)
     if lookup:  # a lookup branch makes every round a tree
         check_tree_request(self, target, lookup, block_size_schedule, final_length, "prompt_lookup_num_tokens")
@@ -556,7 +595,9 @@ def spec_generate(
         OutputEnd(stop_ids(target, stop_token_ids), max_new_tokens),
         sampling_warpers(temperature, top_k, top_p),
     )
-    embed, head = draft_embedding(self, target), draft_head(self, target.get_output_embeddings())
+    embed, head = draft_embedding(self, target), DraftHead(self, target.get_output_embeddings())
+    # a selector reads whole-vocabulary logits; otherwise the draft's own vocabulary is all a round looks at
+    step_head, vocab = (head, None) if self.has_selector else (head.scores, head.vocab)
     cache_name = cache_kwarg(target)
     draft_cache, kv_slots = DynamicCache(), static_length(target_cache)  # a tree mask spans a static cache's slots
     input_ids = input_ids.to(target.device)
@@ -576,15 +617,17 @@ def spec_generate(
 
         block = block_size
         while not ending.done(new_tokens):
-            logits, hidden = draft_step(self, embed, head, last, context, start, draft_cache, block)
+            logits, hidden = draft_step(self, embed, step_head, last, context, start, draft_cache, block)
             if tree_budget is None and not lookup:  # the chain: drafted and chosen tokens come to the host together
-                verify_ids = torch.cat([last, chain_proposal(self, logits, hidden, last, warpers, generator)], dim=1)
+                proposal = chain_proposal(self, logits, hidden, last, warpers, generator, vocab)
+                verify_ids = torch.cat([last, proposal], dim=1)
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
-                tree = propose(logits, tree_budget, warpers)
+                tree = propose(logits, tree_budget, warpers, vocab, tree_min_prob)
                 if lookup:
                     tree = tree.with_branch(prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size))
-                verify_ids = torch.cat([last, torch.tensor([tree.tokens], device=input_ids.device)], dim=1)
+                drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
+                verify_ids = torch.cat([last, drafted], dim=1)
                 positions = tree.position_ids(start, input_ids.device)
                 mask = tree.attention_mask(start, target.dtype, input_ids.device, kv_slots)
             if isinstance(target_cache, RollbackCache):
@@ -663,7 +706,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.cache, self.context_len, self.proposed = DynamicCache(), 0, False
-        self.embed, self.head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
+        self.embed, self.head = draft_embedding(draft, target), DraftHead(draft, target.get_output_embeddings())
         self.features = LayerFeatures(target, draft.config.target_layer_ids)
         self.rollback = rollback
 

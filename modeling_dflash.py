@@ -20,6 +20,7 @@ try:
     from .configuration_dflash import DFlashConfig, dflash2_settings
     from .generation_dflash import refuse_generate as _refuse_generate
     from .generation_dflash import spec_generate as _spec_generate
+    from .batch_dflash import batched_spec_generate as _batched_loop
     from .routing_dflash import assisted_generate as _assisted_generate
     # imported here too: transformers 4.x copies a local repo's direct imports only
     from .cache_dflash import RollbackCache
@@ -28,6 +29,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from configuration_dflash import DFlashConfig, dflash2_settings
     from generation_dflash import refuse_generate as _refuse_generate
     from generation_dflash import spec_generate as _spec_generate
+    from batch_dflash import batched_spec_generate as _batched_loop
     from routing_dflash import assisted_generate as _assisted_generate
     from cache_dflash import RollbackCache
     from tree_dflash import DraftTree
@@ -224,6 +226,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         return (model, info) if return_info else model
 
     spec_generate = _spec_generate
+    _batched_spec_generate = _batched_loop  # `spec_generate` with a batch of prompts runs this
     generate = _refuse_generate
     _dflash_assisted_generate = staticmethod(
         _assisted_generate

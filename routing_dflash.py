@@ -21,9 +21,11 @@ from transformers import GenerationConfig, GenerationMixin, StoppingCriteria, St
 from transformers.generation.streamers import BaseStreamer
 
 try:
+    from .batch_dflash import generate_batch
     from .cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid
     from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 except ImportError:  # imported as a top-level module from the repo root or an installed project
+    from batch_dflash import generate_batch
     from cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid
     from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 
@@ -176,9 +178,7 @@ def check_assisted_call(target, draft, call: dict) -> None:
     """Refuses, before any compute, what transformers' assisted loop or DFlash cannot do."""
     config = call.get("generation_config") or target.generation_config
     setting = lambda name: call.get(name, getattr(config, name, None))  # noqa: E731
-    ids = prompt_ids(call)
-    if ids.shape[0] != 1:
-        raise ValueError(f"DFlash decodes one sequence at a time (batch size 1); got batch size {ids.shape[0]}")
+    prompt_ids(call)
     if (setting("num_return_sequences") or 1) > 1:
         raise ValueError("num_return_sequences > 1 is not supported with a DFlash assistant")
     if (setting("num_beams") or 1) > 1:
@@ -247,6 +247,10 @@ def assisted_generate(generate, target, call: dict):
         raise ValueError(f"speculation_type needs transformers 5.15 or newer; {transformers.__version__} is installed")
     if (problem := routing_problem()) is not None:
         raise RuntimeError(problem + "; use draft.spec_generate(target=...) instead")
+    if prompt_ids(call).shape[0] > 1:  # transformers' assisted loop takes one sequence; the batched loop takes them
+        if builtin:
+            raise ValueError("transformers' own speculation_type='dflash' generator takes one sequence at a time")
+        return generate_batch(target, draft, call, requested_block_size(draft, call))
     prompt_len = prompt_ids(call).shape[1]
     rollback = hybrid_cache(target, call, builtin)
     dflash = DFlashCall(

@@ -7,6 +7,7 @@ tree whose every node has one child, so both decoding modes share this code.
 """
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,17 +83,24 @@ class DraftTree:
         return torch.tensor([[start] + [start + d for d in self.depths]], device=device)
 
 
-def build_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
+def build_tree(
+    log_probs: torch.Tensor, budget: int, vocab: torch.Tensor | None = None, min_log_prob: float = float("-inf")
+) -> DraftTree:
     """The `budget` highest-scoring paths' nodes, best first. `log_probs`: `[depth, vocab]`, the draft's
     log-probabilities at block positions 1..depth. A node's score is the sum of its path's log-probabilities, so a
     child never outscores its parent nor a sibling its better-ranked sibling: popping a heap that holds, for each
-    node taken, its next sibling and its first child yields the nodes in exact score order (parents first)."""
+    node taken, its next sibling and its first child yields the nodes in exact score order (parents first). `vocab`
+    maps the columns of `log_probs` to token ids when they cover only the draft's vocabulary; nodes scoring below
+    `min_log_prob` are left out (the tree may then be empty)."""
     width = min(budget, log_probs.shape[-1])
-    values, indices = (t.tolist() for t in log_probs.float().topk(width, dim=-1))
+    values, indices = log_probs.float().topk(width, dim=-1)
+    values, indices = values.tolist(), (indices if vocab is None else vocab[indices]).tolist()
     tree = DraftTree([], [], [])
     heap = [(-values[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank among siblings, parent node, parent score)
     while heap and len(tree.tokens) < budget:
         negative, depth, rank, parent, parent_score = heapq.heappop(heap)
+        if -negative < min_log_prob:  # nodes come best first: every later one scores lower still
+            break
         tree.tokens.append(indices[depth - 1][rank])
         tree.parents.append(parent)
         tree.depths.append(depth)
@@ -105,14 +113,19 @@ def build_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     return tree
 
 
-def propose(logits: torch.Tensor, budget: int | None, warpers=None) -> DraftTree:
-    """The round's draft: the argmax chain when `budget` is None, else a best-first tree of `budget` nodes scored with
-    the draft's distribution after the call's sampling warpers (none when greedy), so a token the target cannot
-    sample is never proposed. `logits`: `[1, depth, vocab]`."""
+def propose(
+    logits: torch.Tensor, budget: int | None, warpers=None, vocab: torch.Tensor | None = None, min_prob: float = 0.0
+) -> DraftTree:
+    """The round's draft: the argmax chain when `budget` is None, else a best-first tree of at most `budget` nodes
+    whose path probability is at least `min_prob`, scored with the draft's distribution after the call's sampling
+    warpers (none when greedy), so a token the target cannot sample is never proposed. `logits`: `[1, depth, vocab]`,
+    over the draft's vocabulary `vocab` when given (then every other token has probability 0, and the warpers read
+    the same distribution)."""
     if budget is None:
-        return DraftTree.chain(logits[0].argmax(dim=-1).tolist())
+        best = logits[0].max(dim=-1).indices
+        return DraftTree.chain((best if vocab is None else vocab[best]).tolist())
     scores = warpers(None, logits[0].float()) if warpers else logits[0].float()
-    return build_tree(torch.log_softmax(scores, dim=-1), budget)
+    return build_tree(torch.log_softmax(scores, dim=-1), budget, vocab, math.log(min_prob) if min_prob else -math.inf)
 
 
 def prompt_lookup(tokens: list[int], num_tokens: int, max_ngram: int = 2) -> list[int]:
@@ -128,18 +141,20 @@ def prompt_lookup(tokens: list[int], num_tokens: int, max_ngram: int = 2) -> lis
     return []
 
 
-def check_tree_supported(target, tree_budget: int, final_length: int) -> None:
-    """Refuses, before any compute, targets whose verify pass cannot take a tree mask or whose cache cannot be
-    compacted to the accepted path."""
+def check_tree_supported(
+    target, tree_budget: int, final_length: int, what: str = "tree", instead: str = "use the chain (tree_budget=0)"
+) -> None:
+    """Refuses, before any compute, targets whose verify pass cannot take a tree mask (or a batch's, `what`) or whose
+    cache cannot be compacted to the accepted path; `instead` says what to do."""
     if tree_budget < 1:
         raise ValueError(f"tree_budget must be at least 1 drafted node (or 0 for the chain), got {tree_budget}")
     config = target.config.get_text_config()
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if attention not in ATTENTION_FOR_TREES:
         raise ValueError(
-            "tree verification needs an attention implementation that takes a custom 4D mask "
+            f"{what} verification needs an attention implementation that takes a custom 4D mask "
             f"({', '.join(ATTENTION_FOR_TREES)}); "
-            f"the target uses {attention!r}. Load it with attn_implementation='sdpa' or use the chain (tree_budget=0)."
+            f"the target uses {attention!r}. Load it with attn_implementation='sdpa' or {instead}."
         )
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
@@ -147,7 +162,7 @@ def check_tree_supported(target, tree_budget: int, final_length: int) -> None:
     )
     if window is not None and sliding and final_length > window:
         raise ValueError(
-            f"tree verification replaces the target's sliding-window mask ({window} tokens) with a tree mask, which is "
-            f"exact only while the sequence fits the window; this call may reach {final_length} tokens. "
-            "Use the chain (tree_budget=0) or fewer tokens."
+            f"{what} verification replaces the target's sliding-window mask ({window} tokens) with a {what} mask, "
+            f"which is exact only while the sequence fits the window; this call may reach {final_length} tokens. "
+            f"Generate fewer tokens or {instead}."
         )

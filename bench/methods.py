@@ -202,6 +202,14 @@ def spec_generate_lookup(ctx: Context, block_size: int | None) -> Run:
     return spec_generate(ctx, block_size, prompt_lookup_num_tokens=max(block_size - 1, 1))
 
 
+def spec_generate_confident(ctx: Context, block_size: int | None, tree_min_prob: float = 0.2) -> Run:
+    """`spec_generate` with the config's tree (else `block_size - 1` nodes) cut to the nodes whose path the draft
+    gives at least `tree_min_prob` (bench `--tree-min-prob`), without a lookup branch."""
+    require_draft(ctx)
+    budget = ctx.draft.config.tree_budget or max((block_size or ctx.draft.config.block_size) - 1, 1)
+    return spec_generate(ctx, block_size, tree_budget=budget, prompt_lookup_num_tokens=0, tree_min_prob=tree_min_prob)
+
+
 def prompt_lookup(ctx: Context, block_size: int | None) -> Run:
     """transformers' prompt-lookup decoding, proposing `block_size - 1` tokens like a DFlash block."""
     return hf_generate(ctx, prompt_lookup_num_tokens=max(block_size - 1, 1))
@@ -217,6 +225,7 @@ TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "spec-generate-static": functools.partial(spec_generate, cache_implementation="static"),
     "spec-generate-compiled": functools.partial(spec_generate, compile_verify=True),  # compiled in the warm-up
     "spec-generate-lookup": spec_generate_lookup,
+    "spec-generate-confident": spec_generate_confident,
     "assisted": assisted,
     "assisted-sample": assisted_sample,
     "hf-dflash": hf_dflash,

@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINE = {"torch": "plain", "mlx": "mlx-plain"}
 NO_DRAFT = {"plain", "prompt-lookup", "mlx-plain"}
 TREE = "spec-generate-tree"
+CONFIDENT = "spec-generate-confident"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", help="comma-separated methods, listed below (default: all for the backend; the baseline "
                    "is always run)")
     p.add_argument("--tree-budget", default="16", help="comma-separated draft-tree budgets for spec-generate-tree (default 16)")
+    p.add_argument("--tree-min-prob", type=float, default=0.2, help="spec-generate-confident's tree_min_prob (default 0.2)")
+    p.add_argument("--batch-size", help="comma-separated batch sizes, e.g. 1,4,16: throughput of batched DFlash and "
+                   "plain batched generate instead of the methods (bench.batch)")
     p.add_argument("--backend", choices=sorted(BASELINE), default="torch", help="torch (default), or mlx for the MLX port")
     p.add_argument("--out", type=Path, default=Path("results"), help="output folder for results.json and the plots (default results)")
     p.add_argument("--seed", type=int, default=0, help="seed reset before every generation (default 0)")
@@ -63,18 +67,25 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--max-samples must be at least 0 (0 for all), got {args.max_samples}")
     args.sweep_block_size = args.sweep_block_size and positive_ints(parser, "--sweep-block-size", args.sweep_block_size, 2)
     args.tree_budget = positive_ints(parser, "--tree-budget", args.tree_budget, 1)
+    args.batch_size = args.batch_size and positive_ints(parser, "--batch-size", args.batch_size, 1)
+    if args.batch_size and (args.backend != "torch" or args.temperature > 0):
+        parser.error("--batch-size measures greedy decoding with the torch backend")
+    if not 0 < args.tree_min_prob < 1:
+        parser.error(f"--tree-min-prob must be in (0, 1), got {args.tree_min_prob}")
     args.dtype = resolve_dtype(args.dtype, args.device)
     check_model_path(parser, "--target", args.target, draft=False)
     check_model_path(parser, "--draft", args.draft, draft=True)
 
 
-def method_table(backend: str, tree_budgets: list[int]) -> dict:
-    """Factories by method name; `spec-generate-tree` becomes one `spec-generate-tree<N>` per budget."""
+def method_table(backend: str, tree_budgets: list[int], tree_min_prob: float = 0.2) -> dict:
+    """Factories by method name; `spec-generate-tree` becomes one `spec-generate-tree<N>` per budget, and
+    `spec-generate-confident` gets `tree_min_prob`."""
     if backend == "mlx":
         from bench.mlx_methods import MLX_METHODS
 
         return MLX_METHODS
     table = {name: factory for name, factory in TORCH_METHODS.items() if name != TREE}
+    table[CONFIDENT] = functools.partial(TORCH_METHODS[CONFIDENT], tree_min_prob=tree_min_prob)
     return table | {f"{TREE}{n}": functools.partial(TORCH_METHODS[TREE], tree_budget=n) for n in tree_budgets}
 
 
@@ -180,7 +191,7 @@ def write_outputs(out: Path, result: dict) -> None:
 
 def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
     """Loads models, measures every method on every dataset and returns the JSON-ready result."""
-    factories = method_table(args.backend, args.tree_budget)
+    factories = method_table(args.backend, args.tree_budget, args.tree_min_prob)
     methods = selected_methods(args, factories)
     need_draft = any(m not in NO_DRAFT for m in methods)
     load = load_mlx_models if args.backend == "mlx" else load_torch_models
@@ -215,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.batch_size:
+        from bench import batch
+
+        target, tokenizer, draft = load_torch_models(args, need_draft=True)
+        return batch.run(args, argv, target, tokenizer, draft, stop_token_ids(target, tokenizer))
     result = benchmark(args, argv)
     write_outputs(args.out, result)
     print(report.table(result["summary"]))

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from default_target import DTYPES, load_default_target, resolve_dtype
 from cache_dflash import cache_kwarg, drop_last
-from generation_dflash import LayerFeatures, draft_embedding, draft_head, draft_step
+from generation_dflash import LayerFeatures, draft_embedding, DraftHead, draft_step
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def prefilled(target, draft, context: int, new: int):
     with LayerFeatures(target, draft.config.target_layer_ids) as features:
         target(input_ids=ids[:, :context], use_cache=True, **{name: target_cache})
         committed = features.pop()
-    embed, head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
+    embed, head = draft_embedding(draft, target), DraftHead(draft, target.get_output_embeddings())
     draft_step(draft, embed, head, ids[:, context - new : context - new + 1], committed[:, : context - new],
                  context - new, draft_cache, 2)
     return target_cache, draft_cache, committed[:, context - new :], ids[:, context:], (embed, head)

@@ -82,7 +82,7 @@ def draft_embedding(draft: Model, embed: nn.Module) -> Callable[[mx.array], mx.a
 
 
 def draft_head(draft: Model, head: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
-    """`head` as the draft proposes with it, as the torch `draft_head`: times `output_multiplier`, soft-capped by
+    """`head` as the draft proposes with it, as the torch `DraftHead`: times `output_multiplier`, soft-capped by
     `final_logit_softcapping`, and -inf outside `dflash_config.draft_vocab` when the draft was trained on that subset
     (FR-Spec); the target still verifies over its whole vocabulary."""
     multiplier, cap = draft.args.dflash_field("output_multiplier"), draft.args.dflash_field("final_logit_softcapping")

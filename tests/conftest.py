@@ -67,6 +67,16 @@ def make_target(arch: str = "llama", seed: int = 0, initializer_range: float = 0
     return model
 
 
+def watched_target(arch: str = "llama", attn: str | None = None, **overrides):
+    """A target whose config names `attn` as its attention (only read: a call must fail first), and the list its
+    forward passes append to."""
+    target, calls = make_target(arch, **overrides), []
+    if attn:
+        target.config._attn_implementation_internal = attn
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    return target, calls
+
+
 def make_draft_config(**overrides) -> DFlashConfig:
     kwargs = dict(
         vocab_size=VOCAB,

@@ -59,7 +59,8 @@ def bench_args(model_dirs, prompts_file, out, *extra) -> list[str]:
 def sweep_result(model_dirs, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     status = main(bench_args(model_dirs, prompts_file, out, "--sweep-block-size", "2,4", "--methods",
-                             "plain,spec-generate,spec-generate-static,spec-generate-tree,prompt-lookup,hf-dflash,assisted", "--tree-budget", "2,8",
+                             "plain,spec-generate,spec-generate-static,spec-generate-tree,spec-generate-confident,prompt-lookup,hf-dflash,assisted",
+                             "--tree-budget", "2,8", "--tree-min-prob", "0.3",
                              "--device", "cpu"))
     return status, out, json.loads((out / "results.json").read_text())
 
@@ -70,6 +71,7 @@ def test_end_to_end_lossless(sweep_result):
     rows = {(r["method"], r["block_size"]): r for r in result["summary"]}
     assert {("plain", None), ("spec-generate", 2), ("spec-generate", 4), ("prompt-lookup", 2)} <= set(rows)
     assert {("spec-generate-tree2", 4), ("spec-generate-tree8", 4)} <= set(rows)  # one method per --tree-budget
+    assert ("spec-generate-confident", 4) in set(rows)
     assert {("spec-generate-static", 2), ("spec-generate-static", 4)} <= set(rows)
     assert result["config"]["device"] == "cpu" and all(r["ttft_seconds"] > 0 for r in result["records"])
     assert all(r["mismatches"] == 0 for r in result["summary"])
@@ -195,10 +197,27 @@ def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path):
     assert rows["mlx-dflash"]["mismatches"] == 0 and rows["mlx-plain"]["mean_acceptance_length"] == 1.0
 
 
+def test_batch_sizes_measure_batched_dflash_against_plain_batches(model_dirs, prompts_file, tmp_path):
+    """Two prompts of different lengths in batches of 1 and 2: every DFlash row equals one-at-a-time decoding in
+    float32 (the run exits 0), and the throughput table, JSON and plot are written."""
+    status = main(bench_args(model_dirs, prompts_file, tmp_path, "--batch-size", "1,2"))
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert status == 0 == result["exit_status"] and result["prompts"] == 2
+    assert [r["batch_size"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["rows_differing_from_one_at_a_time"] == 0
+        assert row["dflash_tokens_per_second"] > 0 and row["plain_tokens_per_second"] > 0
+    assert [len(group) for group in result["rows"][1]["row_lengths"]] == [2], "one batch of two rows"
+    assert (tmp_path / "throughput.png").stat().st_size > 0 and "DFlash vs plain" in (tmp_path / "summary.txt").read_text()
+
+
 BAD_ARGS = [
     (["--tree-budget", "4,x"], "--tree-budget takes comma-separated integers of at least 1"),
     (["--tree-budget", "0"], "--tree-budget takes"),
     (["--tree-budget", "2.5"], "--tree-budget takes"),
+    (["--tree-min-prob", "1"], "--tree-min-prob must be in"),
+    (["--batch-size", "0,4"], "--batch-size takes comma-separated integers of at least 1"),
+    (["--batch-size", "4", "--temperature", "0.5"], "--batch-size measures greedy decoding"),
     (["--sweep-block-size", "1,x"], "--sweep-block-size takes comma-separated integers of at least 2"),
     (["--temperature", "-1"], "--temperature must be at least 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),

@@ -370,9 +370,80 @@ def test_draft_config_tree_budget_verifies_the_chain_without_warning():
     assert oracle.calls, "the draft ran"
 
 
-def test_batch_above_one_is_refused():
-    with pytest.raises(ValueError, match="batch size 1"):
-        run_generate(make_target("llama"), make_draft(), torch.tensor([[5, 6], [7, 8]]), max_new_tokens=4)
+BATCH = [[5], [7, 8, 9, 10, 11, 12], [20, 21, 3, 40, 41, 42, 43, 44]]
+
+
+def left_padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, BATCH))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in BATCH])
+    return ids, torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in BATCH])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_left_padded_batch_gives_every_row_its_own_greedy_output(arch):
+    """transformers' assisted loop refuses batches; with a DFlash assistant the call runs the batched loop, and every
+    row equals that prompt's plain greedy output, padded after its end with the call's pad token."""
+    target, draft = make_target(arch), make_draft()
+    ids, mask = left_padded_batch()
+    shapes, drafts = [], []
+    handles = [target.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True),
+               draft.register_forward_hook(lambda *args: drafts.append(1))]
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=18, do_sample=False,
+                          pad_token_id=0)
+    for handle in handles:
+        handle.remove()
+    assert out.shape == (3, ids.shape[1] + 18) and torch.equal(out[:, : ids.shape[1]], ids)
+    for row, prompt in enumerate(BATCH):
+        expected = greedy_reference(target, torch.tensor([prompt]), 18)[0, len(prompt) :]
+        assert torch.equal(out[row, ids.shape[1] :], expected), f"row {row}"
+    assert drafts and shapes[1] == (3, draft.config.block_size), f"one pass verified every row's block: {shapes[:3]}"
+    eos = int(out[1, ids.shape[1] + 2])  # row 1's third new token ends it; the others run on or stop where they write it
+    stopped = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=18, do_sample=False,
+                              eos_token_id=eos, pad_token_id=1)
+    new = stopped[1, ids.shape[1] :].tolist()
+    assert new[: new.index(eos) + 1] == out[1, ids.shape[1] : ids.shape[1] + new.index(eos) + 1].tolist()
+    assert set(new[new.index(eos) + 1 :]) <= {1}, "padded with the call's pad token after the row's end"
+
+
+def test_a_batch_samples_each_row_from_its_own_distribution():
+    """Chi-square of the two new tokens of each row, sampled through `target.generate` (fails at p < 1e-4)."""
+    target, draft = make_target("llama", initializer_range=0.5), make_draft()
+    prompts, n = [[5, 6, 7], [9]], 1200
+    ids = torch.tensor([prompts[0], [0, 0, 9]])
+    mask = torch.tensor([[1, 1, 1], [0, 0, 1]])
+    warper = LogitsProcessorList([TemperatureLogitsWarper(0.8)])
+    exact = [exact_joint_distribution(target, torch.tensor([p]), warper, 2).flatten() for p in prompts]
+    counts = torch.zeros(2, VOCAB * VOCAB)
+    torch.manual_seed(0)
+    for _ in range(n):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=2, do_sample=True,
+                              temperature=0.8, top_k=0, pad_token_id=0, eos_token_id=None)
+        for row, (t1, t2) in enumerate(out[:, -2:].tolist()):
+            counts[row, t1 * VOCAB + t2] += 1
+    for row in range(2):
+        p_value, chi2, dof = chi_square_p_value(counts[row], exact[row])
+        assert p_value > 1e-4, f"row {row}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"repetition_penalty": 1.3}, "repetition_penalty=1.3 is not supported with a batch"),
+        ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size=2 is not supported with a batch"),
+        ({"logits_processor": LogitsProcessorList([TemperatureLogitsWarper(0.5)])}, "logits_processor is not supported"),
+        ({"streamer": BaseStreamer()}, "a streamer takes one sequence"),
+        ({"num_assistant_tokens_schedule": "heuristic"}, "not supported with a batch"),
+        ({"cache_implementation": "static"}, "builds its own ragged dynamic cache"),
+        ({"speculation_type": "dflash"}, "one sequence at a time|speculation_type needs"),
+    ],
+)
+def test_what_a_batch_cannot_take_is_refused_before_compute(kwargs, message):
+    target, draft = make_target("llama"), make_draft()
+    ids, mask = left_padded_batch()
+    passes, _ = count_target_passes(target)
+    with pytest.raises(ValueError, match=message):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, pad_token_id=0, **kwargs)
+    assert not passes, "the target ran before the error"
 
 
 @pytest.mark.parametrize("change, message", MISMATCHES)

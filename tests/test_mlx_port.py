@@ -610,7 +610,7 @@ def test_draft_head_and_embedding_match_torch():
     proposals exactly as the torch ones."""
     import mlx.nn as nn
 
-    from generation_dflash import draft_head as torch_draft_head
+    from generation_dflash import DraftHead as TorchDraftHead
     from mlx_port.generate import draft_embedding, draft_head
 
     torch_draft = make_draft(input_embedding_scale=1.5, final_logit_softcapping=2.0)
@@ -622,7 +622,7 @@ def test_draft_head_and_embedding_match_torch():
     lm_head.weight.data = weight
     hidden = torch.randn(1, 3, torch_draft.config.hidden_size) * 10
     with torch.no_grad():
-        expected = torch_draft_head(torch_draft, lm_head)(hidden).numpy()
+        expected = TorchDraftHead(torch_draft, lm_head)(hidden).numpy()
     got = np.array(draft_head(mlx_draft, lambda h: h @ mx.array(weight.numpy()).T)(mx.array(hidden.numpy())))
     finite = np.isfinite(expected)
     assert (finite == np.isfinite(got)).all() and finite.sum() == 9

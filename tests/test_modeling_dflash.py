@@ -176,7 +176,7 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
     assert not any(k.startswith(("eagle_", "speculators_config", "sample_from_anchor")) for k in config)
     assert config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
     for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py", "cache_dflash.py", "routing_dflash.py",
-                 "tree_dflash.py"):
+                 "tree_dflash.py", "batch_dflash.py"):
         assert (tmp_path / name).exists(), name
 
 

@@ -128,6 +128,42 @@ def test_spec_generate_equals_plain(models, prompts, block_size, schedule):
         assert calls.count == len(stats.acceptance_lengths) >= 1
 
 
+@pytest.mark.parametrize("route", ["spec_generate", "generate"])
+def test_a_left_padded_chat_batch_gives_every_row_its_plain_output(models, prompts, route):
+    """Four chat prompts of different lengths, padded on the left by the tokenizer as users batch them, through both
+    routes: every row equals that prompt's plain greedy output alone, the math answer stops early at EOS and is
+    padded after it."""
+    target, tokenizer, draft = models
+    texts = [*PROMPTS.values(), "Name the capital of France."]
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    batch = tokenizer.apply_chat_template([[{"role": "user", "content": t}] for t in texts], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True, padding=True)
+    tokenizer.padding_side = side
+    assert not bool(batch["attention_mask"].all()), "the prompts must need padding"
+    with DraftCalls(draft) as calls:
+        if route == "generate":
+            output_ids = target.generate(**batch, assistant_model=draft, max_new_tokens=MAX_NEW, do_sample=False)
+        else:
+            stats = draft.spec_generate(target, batch, max_new_tokens=MAX_NEW, return_stats=True)
+            output_ids = stats.output_ids
+            assert max(map(len, stats.acceptance_lengths)) <= calls.count and stats.mean_acceptance_length > 1
+    width, ends = batch["input_ids"].shape[1], []
+    for row, text in enumerate(texts):
+        alone = encode_chat(tokenizer, text)
+        expected = plain(target, tokenizer, alone)[0, alone.shape[1] :].tolist()
+        got = output_ids[row, width:].tolist()
+        assert got[: len(expected)] == expected, f"{text!r}: {tokenizer.decode(got)!r}"
+        assert len(set(got[len(expected) :])) <= 1, "only padding after a row's end"
+        ends.append(len(expected))
+    assert min(ends) < MAX_NEW == max(ends), f"rows end at different rounds: {ends}"
+    assert calls.count > 0, "the draft ran"
+
+
+def encode_chat(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
 @pytest.mark.parametrize("block_size, budget", [(8, 4), (8, 16), (16, 32)])
 def test_spec_generate_with_a_tree_equals_plain(models, prompts, block_size, budget):
     target, tokenizer, draft = models

@@ -21,7 +21,7 @@ from conftest import (
     make_draft_config,
     make_target,
 )
-from generation_dflash import check_draft_fits_target, draft_head
+from generation_dflash import check_draft_fits_target, DraftHead
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
@@ -146,7 +146,15 @@ def test_mismatched_draft_is_refused(change, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"input_ids": torch.tensor([[5, 6], [7, 8]])}, "batch size 1"),
+        ({"input_ids": torch.tensor([[[5, 6]]])}, "shape \\[batch, prompt_len\\]"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[1, 0], [1, 1]])}, "left padding"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[0, 0], [1, 1]])}, "left padding"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[2, 1], [1, 1]])}, "0 \\(padding\\)"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.ones(2, 3)}, "attention_mask has shape"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "tree_budget": 4}, "tree_budget=4 is not supported with a batch"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_lookup_num_tokens": 3}, "not supported with a batch"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "block_size_schedule": "heuristic"}, "block_size_schedule"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "compile_verify": True}, "compile_verify"),
         ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "prompt is empty"),
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
         ({"block_size": 1}, "block_size must be at least 2"),
@@ -156,7 +164,7 @@ def test_mismatched_draft_is_refused(change, message):
         ({"input_ids": torch.tensor([[5, VOCAB]])}, f"input_ids must be in \\[0, {VOCAB}\\)"),
         ({"input_ids": torch.tensor([[-1, 5]])}, "input_ids must be in"),
         ({"input_ids": {"attention_mask": torch.ones(1, 2)}}, "mapping without an 'input_ids' entry"),
-        ({"input_ids": {"input_ids": torch.tensor([[0, 5]]), "attention_mask": torch.tensor([[0, 1]])}}, "marks padding"),
+        ({"input_ids": {"input_ids": torch.tensor([[5, 0]]), "attention_mask": torch.tensor([[1, 0]])}}, "left padding"),
         ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer, got 1.5"),
         ({"block_size": 4.0}, "block_size must be an integer"),
         ({"stop_token_ids": ["x"]}, "stop_token_ids must be a token id or a list of them"),
@@ -248,7 +256,7 @@ def test_draft_head_keeps_the_draft_vocab_only():
     draft = make_draft()
     draft.config.draft_vocab = [3, 9, 40]
     hidden = torch.randn(1, 5, target.config.hidden_size)
-    full, limited = target.lm_head(hidden), draft_head(draft, target.lm_head)(hidden)
+    full, limited = target.lm_head(hidden), DraftHead(draft, target.lm_head)(hidden)
     torch.testing.assert_close(limited[..., [3, 9, 40]], full[..., [3, 9, 40]])  # a smaller matmul may round apart
     assert bool(limited[..., [t for t in range(VOCAB) if t not in (3, 9, 40)]].isneginf().all())
 
@@ -386,16 +394,16 @@ def test_input_embedding_scale_embeds_from_the_raw_table():
 
 
 def test_output_multiplier_and_softcapping_shape_the_draft_logits_only():
-    from generation_dflash import draft_head
+    from generation_dflash import DraftHead
 
     target = make_target("llama")
     lm_head, hidden = target.get_output_embeddings(), torch.randn(1, 3, target.config.hidden_size) * 20
     draft = make_draft(output_multiplier=0.5, final_logit_softcapping=2.0)
     with torch.no_grad():
         expected = torch.tanh(lm_head(hidden) * 0.5 / 2.0) * 2.0
-        assert torch.allclose(draft_head(draft, lm_head)(hidden), expected, atol=1e-6)
+        assert torch.allclose(DraftHead(draft, lm_head)(hidden), expected, atol=1e-6)
         draft.config.draft_vocab = [3, 9]
-        subset = draft_head(draft, lm_head)(hidden)
+        subset = DraftHead(draft, lm_head)(hidden)
     assert torch.isinf(subset).sum() == 3 * (VOCAB - 2) and torch.allclose(subset[..., [3, 9]], expected[..., [3, 9]], atol=1e-6)
     ids = torch.tensor([[5, 6, 7]])
     draft.config.draft_vocab = None

@@ -544,7 +544,7 @@ def test_training_labels_and_proposals_match_the_decode_path(tmp_path, draft_voc
     """The label offset, the shared head (with a draft vocabulary) and the embedding as decoding uses them (PR #473):
     `block_loss`'s first-token accuracy and teacher-forced tau equal those of `draft_step` block by block."""
     from cache_dflash import DynamicCache
-    from generation_dflash import draft_embedding, draft_head, draft_step
+    from generation_dflash import draft_embedding, DraftHead, draft_step
     from training.features import build_feature_cache
     from training.trainer import target_greedy, target_pass
 
@@ -564,7 +564,7 @@ def test_training_labels_and_proposals_match_the_decode_path(tmp_path, draft_voc
     _, metrics = block_loss(draft, target, batch, num_anchors=0, generator=torch.Generator().manual_seed(3),
                             weights=loss_weights(4, 4.0), distill_weight=0.0, vocab=vocab, **kwargs)
     anchors, valid = sample_anchors(batch["loss_starts"], batch["lengths"], 0, torch.Generator().manual_seed(3), block_size=4)
-    embed, head = draft_embedding(draft, target), draft_head(draft, target.get_output_embeddings())
+    embed, head = draft_embedding(draft, target), DraftHead(draft, target.get_output_embeddings())
     firsts, taus = [], []
     for row, s in enumerate(seqs):
         ids = torch.tensor([s.input_ids])

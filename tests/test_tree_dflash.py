@@ -19,9 +19,10 @@ from conftest import (
     make_draft_config,
     make_target,
     sample_two_tokens,
+    watched_target,
 )
 from cache_dflash import cache_kwarg, compact_cache
-from tree_dflash import DraftTree, build_tree, prompt_lookup
+from tree_dflash import DraftTree, build_tree, prompt_lookup, propose
 
 
 def cached_pass(target, cache: DynamicCache, **kwargs) -> None:
@@ -65,6 +66,19 @@ def test_builder_respects_depth_and_never_proposes_impossible_tokens():
     log_probs[:, :2] = math.log(0.5)
     tree = build_tree(log_probs, 100)
     assert len(tree.tokens) == 2 + 4 and set(tree.tokens) == {0, 1} and max(tree.depths) == 2
+
+
+@pytest.mark.parametrize("budget", [None, 1, 4, 9])
+def test_draft_vocabulary_scores_propose_what_whole_vocabulary_logits_do(budget):
+    # spec_generate scores the draft's vocabulary only; the tree and chain must equal those of the -inf-padded logits
+    vocab = torch.tensor([7, 2, 11, 5, 0])
+    compact = torch.randn(1, 3, len(vocab), generator=torch.Generator().manual_seed(3)) * 2
+    full = torch.full((1, 3, 12), float("-inf")).index_copy_(-1, vocab, compact)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    for warp in [None, warpers]:
+        expected, got = propose(full, budget, warp), propose(compact, budget, warp, vocab)
+        assert (got.tokens, got.parents, got.depths) == (expected.tokens, expected.parents, expected.depths)
+    assert set(got.tokens) <= set(vocab.tolist())
 
 
 def test_mask_and_positions_of_a_hand_built_tree():
@@ -222,13 +236,7 @@ def test_draft_config_sets_the_default_budget_and_zero_asks_for_the_chain():
     ],
 )
 def test_unsupported_tree_requests_fail_before_compute(target_kwargs, kwargs, message):
-    target_kwargs = dict(target_kwargs)
-    attn = target_kwargs.pop("attn", None)
-    target = make_target(target_kwargs.pop("arch", "llama"), **target_kwargs)
-    if attn:
-        target.config._attn_implementation_internal = attn  # only read, never run: the call must fail first
-    calls = []
-    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    target, calls = watched_target(**target_kwargs)
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=32, **kwargs)
     assert not calls, "the target ran before the error"
@@ -369,3 +377,72 @@ def test_draft_config_sets_the_default_lookup_and_bad_settings_are_refused():
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, max_matching_ngram_size=0)
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens=2.*'constant'"):
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, block_size_schedule="heuristic")
+
+
+@pytest.mark.parametrize("min_prob", [0.0, 0.05, 0.3, 1.0])
+def test_builder_leaves_out_nodes_below_the_min_prob(min_prob):
+    log_probs = torch.log_softmax(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 2, dim=-1)
+    full = build_tree(log_probs, 30)
+    scores = all_prefix_scores(log_probs)
+    kept = [node for node in range(1, 31) if scores[path_tokens(full, node)] >= math.log(min_prob or 1e-30)]
+    cut = build_tree(log_probs, 30, min_log_prob=math.log(min_prob) if min_prob else -math.inf)
+    assert len(cut.tokens) == len(kept) and (cut.tokens, cut.parents) == (full.tokens[: len(kept)], full.parents[: len(kept)])
+    assert len(kept) == {0.0: 30, 1.0: 0}.get(min_prob, len(kept)) and (0 < len(kept) < 30 or min_prob in (0.0, 1.0))
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_a_min_prob_leaves_out_the_unlikely_second_choice_and_stays_exact(block_size, recorded_paths):
+    """The second choice after k sure tokens has draft probability about 0.007: a min prob of 0.001 keeps it (k + 2
+    accepted, as the tree), one of 0.01 leaves it out (k + 1, as the chain); output is plain greedy either way."""
+    target = make_target("qwen3")
+    ids = torch.randint(3, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(0))
+    max_new = 3 * block_size
+    reference = greedy_reference(target, ids, max_new + block_size)
+    for k in range(block_size - 1):
+        draft = SecondChoiceDraft(make_draft_config()).eval().setup(target, reference, k)
+        for min_prob, expected in ((0.001, k + 2), (0.01, k + 1)):
+            out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size,
+                                      tree_budget=2 * block_size, tree_min_prob=min_prob, return_stats=True)
+            assert torch.equal(out.output_ids, reference[:, : 6 + max_new]), f"k={k} min_prob={min_prob}"
+            assert set(out.acceptance_lengths[:-1]) == {expected}, f"k={k} min_prob={min_prob}"
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_an_unsure_draft_verifies_fewer_tokens_and_output_stays_exact(lookup):
+    """A random draft is never sure: with a min prob of 0.9 most rounds verify the last token alone (plus any lookup
+    branch), and output still equals plain greedy."""
+    target, draft = make_target("llama"), make_draft()
+    sizes = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    for seed in range(3):
+        ids = torch.randint(3, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(seed))
+        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, tree_budget=6, tree_min_prob=0.9,
+                                  prompt_lookup_num_tokens=lookup)
+        assert torch.equal(out, greedy_reference(target, ids, 20)), f"seed={seed}"
+    assert sizes.count(1) > len(sizes) // 2, f"verify lengths {sizes}"
+
+
+def test_confidence_sized_tree_sampling_matches_target_distribution(recorded_paths):
+    """Chi-square of two sampled tokens through trees whose size follows the draft's confidence (checked: rounds
+    verified different numbers of nodes); fails at p < 1e-4."""
+    target = make_target("llama", initializer_range=0.5)
+    ids, temperature, n = torch.tensor([[5, 6, 7]]), 1.0, 2000
+    exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
+    draft = make_draft(initializer_range=0.5)
+    sizes = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    counts, _ = sample_two_tokens(draft, target, ids, n, temperature, new_tokens=2, tree_budget=6, tree_min_prob=0.05)
+    assert len(set(sizes[1::2])) > 1, f"tree sizes must vary with the draft's confidence: {set(sizes[1::2])}"
+    p_value, chi2, dof = chi_square_p_value(counts, exact)
+    assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_bad_min_probs_are_refused_before_compute():
+    target, draft = make_target("llama"), make_draft()
+    ids = torch.tensor([[5, 6, 7]])
+    for bad in (-0.1, 1.0, "0.2", True):
+        with pytest.raises(ValueError, match="tree_min_prob"):
+            draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=4, tree_min_prob=bad)
+    with pytest.raises(ValueError, match="verifies the chain"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, tree_min_prob=0.2,
+                            prompt_lookup_num_tokens=0)

@@ -1,0 +1,339 @@
+"""Batched DFlash: left-padded prompts decoded together, every row accepting its own prefix in every round.
+
+The ragged cache. The target's cache stays one rectangular tensor per layer, and each row keeps its own position
+ids. Every round appends each active row's block; the keys a row rejected stay behind as holes that the row's
+attention mask hides from then on, so no row is rolled back to another's acceptance and nothing is copied. Keys
+that every row rejected are cropped at once. The draft's context cache follows the same rule, and a row that ends
+(a stop token, `max_new_tokens`) leaves both caches, so it costs nothing afterwards.
+"""
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+try:
+    from .cache_dflash import cache_kwarg, drop_last, is_hybrid
+    from .tree_dflash import check_tree_supported
+    from .generation_dflash import (
+        DraftHead,
+        LayerFeatures,
+        OutputEnd,
+        SpecGenerateOutput,
+        draft_embedding,
+        pick_tokens,
+        sampling_warpers,
+        stop_ids,
+    )
+except ImportError:  # imported as a top-level module from the repo root or an installed project
+    from cache_dflash import cache_kwarg, drop_last, is_hybrid
+    from tree_dflash import check_tree_supported
+    from generation_dflash import (
+        DraftHead,
+        LayerFeatures,
+        OutputEnd,
+        SpecGenerateOutput,
+        draft_embedding,
+        pick_tokens,
+        sampling_warpers,
+        stop_ids,
+    )
+
+
+def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+    """The `[b, prompt_len]` bool mask of real tokens, refusing anything but left padding with a token in every row."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    mask = torch.as_tensor(attention_mask, device=input_ids.device)
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token)")
+    mask = mask.bool()
+    if not bool(mask[:, -1].all()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "batched DFlash needs left padding (every row's tokens at the end, as generate wants for decoder-only "
+            "models): set tokenizer.padding_side = 'left'"
+        )
+    return mask
+
+
+def refuse_batch_options(draft, target, final_length: int, **options) -> None:
+    """Names the first option a batch cannot take, with the reason, before any compute."""
+    reasons = {
+        "tree_budget": "a batch verifies each row's chain (trees need one tree mask per row)",
+        "tree_min_prob": "it sizes a draft tree, and a batch verifies chains",
+        "prompt_lookup_num_tokens": "a lookup branch makes a round a tree, and a batch verifies chains",
+        "streamer": "a streamer takes one sequence, as transformers refuses it with batches",
+        "block_size_schedule": "the adaptive schedule sizes one row's block",
+        "cache_implementation": "a batch's ragged cache is dynamic",
+        "past_key_values": "a batch builds its own ragged cache",
+        "compile_verify": "the compiled verify runs one row on a static cache",
+    }
+    for name, reason in reasons.items():
+        if options.get(name):
+            raise ValueError(f"{name}={options[name]!r} is not supported with a batch of prompts: {reason}")
+    if draft.has_selector:
+        raise ValueError("a DFlash 2 draft's selector walks one row; decode its prompts one at a time")
+    if is_hybrid(target):
+        raise ValueError(f"the recurrent layers of {type(target).__name__} cannot skip a row's rejected tokens")
+    check_tree_supported(target, 1, final_length, "batch", "decode the prompts one at a time")
+
+
+@dataclass
+class Rows:
+    """The active rows: batch row ids, then per row its next position, last token, and what the draft reads next."""
+
+    ids: torch.Tensor  # [b] rows of the call's batch
+    position: torch.Tensor  # [b] position of the last committed token, which is not yet in the target's cache
+    last: torch.Tensor  # [b, 1]
+    target_keys: torch.Tensor  # [b, cached] bool: which target cache entries the row sees
+    draft_keys: torch.Tensor  # [b, cached] bool: the same for the draft's context cache
+    context: torch.Tensor  # [b, n, features] target features the draft has not read yet
+    context_keys: torch.Tensor  # [b, n] bool
+    context_positions: torch.Tensor  # [b, n]
+
+    def select(self, keep: torch.Tensor) -> "Rows":
+        return Rows(*(getattr(self, f)[keep] for f in self.__dataclass_fields__))
+
+
+def select_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:  # transformers 5 may hold layers not yet written
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[b, q, k]` bool -> the `[b, 1, q, k]` additive mask transformers' attention takes."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, torch.finfo(dtype).min
+    )[:, None]
+
+
+def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size: int) -> torch.Tensor:
+    """Each row's `[b, block_size - 1]` drafted tokens (the draft's argmax), reading the rows' new context."""
+    b = rows.ids.shape[0]
+    block = torch.full((b, block_size), draft.config.mask_token_id, dtype=torch.long, device=rows.last.device)
+    block[:, :1] = rows.last
+    offsets = torch.arange(block_size, device=block.device)
+    keys = torch.cat([rows.draft_keys, rows.context_keys, torch.ones_like(block, dtype=torch.bool)], dim=1)
+    hidden = draft(
+        noise_embeds=embed(block),
+        context_hidden_states=rows.context,
+        position_ids=torch.cat([rows.context_positions, rows.position[:, None] + offsets], dim=1),
+        attention_mask=keys.long(),
+        past_key_values=cache,
+    ).last_hidden_state[:, 1:]
+    drop_last(cache, block_size)  # the cache keeps committed context only
+    rows.draft_keys = torch.cat([rows.draft_keys, rows.context_keys], dim=1)
+    best = head.scores(hidden).max(dim=-1).indices
+    return best if head.vocab is None else head.vocab[best]
+
+
+def verify_blocks(target, cache, rows: Rows, drafted: torch.Tensor, warpers, generator) -> torch.Tensor:
+    """The target's `[b, block]` choices after `[last, drafted]`, every row at its own positions and seeing only
+    its own cache entries."""
+    ids = torch.cat([rows.last, drafted], dim=1)
+    n = ids.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    visible = torch.cat([rows.target_keys[:, None].expand(-1, n, -1), causal.expand(ids.shape[0], -1, -1)], dim=2)
+    out = target(
+        input_ids=ids,
+        position_ids=rows.position[:, None] + torch.arange(n, device=ids.device),
+        attention_mask=additive_mask(visible, target.dtype),
+        use_cache=True,
+        **{cache_kwarg(target): cache},
+    )
+    return pick_tokens(out.logits, warpers, generator)
+
+
+def accepted_lengths(drafted: list[list[int]], chosen: list[list[int]]) -> list[int]:
+    """Per row, how many leading drafted tokens equal the target's choice at the position before."""
+    return [next((i for i, (d, c) in enumerate(zip(ds, cs)) if d != c), len(ds)) for ds, cs in zip(drafted, chosen)]
+
+
+def commit(rows: Rows, cache: DynamicCache, features: torch.Tensor, accepted: list[int], chosen: torch.Tensor) -> None:
+    """Moves every row past its accepted prefix and bonus token: its rejected keys become holes, the keys no row
+    kept are cropped, and the kept tokens' features become the draft's next context."""
+    n, device = chosen.shape[1], chosen.device
+    kept = torch.tensor(accepted, device=device)
+    offsets = torch.arange(n, device=device)
+    rows.target_keys = torch.cat([rows.target_keys, offsets[None] <= kept[:, None]], dim=1)
+    width = max(accepted) + 1
+    drop_last(cache, n - width)
+    rows.target_keys = rows.target_keys[:, : rows.target_keys.shape[1] - (n - width)]
+    rows.context, rows.context_keys = features[:, :width], offsets[None, :width] <= kept[:, None]
+    rows.context_positions = rows.position[:, None] + offsets[:width]
+    rows.last = chosen.gather(1, kept[:, None])
+    rows.position = rows.position + kept + 1
+
+
+@torch.inference_mode()
+def batched_spec_generate(
+    self,
+    target,
+    input_ids: torch.Tensor,
+    attention_mask=None,
+    *,
+    max_new_tokens: int,
+    stop_token_ids,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    block_size: int,
+    return_stats: bool,
+    generator: torch.Generator | None,
+    pad_token_id: int | None = None,
+    align_rows: bool = False,
+    **options,
+):
+    """`spec_generate` for a batch of left-padded prompts (`input_ids` `[b, prompt_len]` and their `attention_mask`):
+    `[b, prompt_len + new]` ids, each row padded after its end with the pad token, as `generate` returns them; with
+    `return_stats`, a `SpecGenerateOutput` whose `acceptance_lengths` holds one list per row. Every row equals that
+    prompt's own decoding: identical tokens at `temperature=0` in float32, its own distribution above.
+    `align_rows` keeps every row to the batch's shortest acceptance each round, so the cache has no holes: the simple
+    alternative, measured by `python -m bench --batch-size`."""
+    refuse_batch_options(self, target, input_ids.shape[1] + max_new_tokens + block_size, **options)
+    real = left_padding_mask(input_ids, attention_mask)
+    stops = stop_ids(target, stop_token_ids)
+    pad = pad_token_id if pad_token_id is not None else pad_id(target, stops)
+    warpers = sampling_warpers(temperature, top_k, top_p)
+    embed, head = draft_embedding(self, target), DraftHead(self, target.get_output_embeddings())
+    batch, prompt_len = input_ids.shape
+    target_cache, draft_cache = DynamicCache(), DynamicCache()
+    outputs = [[] for _ in range(batch)]
+    taus: list[list[int]] = [[] for _ in range(batch)]
+    ends = [OutputEnd(stops, max_new_tokens) for _ in range(batch)]
+    positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    with LayerFeatures(target, self.config.target_layer_ids) as features:
+        out = target(
+            input_ids=input_ids,
+            attention_mask=real.long(),
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kwarg(target): target_cache},
+        )
+        last = pick_tokens(out.logits[:, -1:], warpers, generator)
+        rows = Rows(
+            ids=torch.arange(batch, device=input_ids.device),
+            position=real.sum(dim=1),
+            last=last,
+            target_keys=real,
+            draft_keys=real[:, :0],
+            context=features.pop(),
+            context_keys=real,
+            context_positions=positions,
+        )
+        for row, token in enumerate(last[:, 0].tolist()):
+            outputs[row].append(token)
+        rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
+        while rows.ids.numel():
+            drafted = draft_block(self, embed, head, rows, draft_cache, block_size)
+            chosen = verify_blocks(target, target_cache, rows, drafted, warpers, generator)
+            drafted_list, chosen_list = drafted.tolist(), chosen.tolist()  # the round's device-to-host transfer
+            accepted = accepted_lengths(drafted_list, chosen_list)
+            if align_rows:  # the target's choice after the shortest prefix is every row's own next token
+                accepted = [min(accepted)] * len(accepted)
+            for row, k, ds, cs in zip(rows.ids.tolist(), accepted, drafted_list, chosen_list):
+                outputs[row] += ds[:k] + [cs[k]]
+                taus[row].append(k + 1)
+            commit(rows, target_cache, features.pop(), accepted, chosen)
+            rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
+
+    new = [tokens[: end.update(tokens)] for tokens, end in zip(outputs, ends)]
+    width = max(len(tokens) for tokens in new)
+    padded = torch.tensor([tokens + [pad] * (width - len(tokens)) for tokens in new], device=input_ids.device)
+    output_ids = torch.cat([input_ids, padded], dim=1)
+    if not return_stats:
+        return output_ids
+    return SpecGenerateOutput(output_ids, taus, prompt_len, width)
+
+
+def drop_finished(rows: Rows, ends: list[OutputEnd], outputs, target_cache, draft_cache) -> Rows:
+    """The rows still decoding; a finished row's entries leave both caches."""
+    done = [ends[row].done(outputs[row]) for row in rows.ids.tolist()]
+    if not any(done):
+        return rows
+    keep = torch.tensor([not d for d in done], device=rows.ids.device)
+    select_cache_rows(target_cache, keep)
+    select_cache_rows(draft_cache, keep)
+    return rows.select(keep)
+
+
+def pad_id(target, stops: set[int]) -> int:
+    """The pad token `generate` writes after a row's end: the generation config's, else a stop token, else 0."""
+    pad = getattr(target.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = min(stops) if stops else 0
+    return pad[0] if isinstance(pad, list) else int(pad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `target.generate(ids, attention_mask=mask, assistant_model=draft)` with a batch: transformers' assisted loop takes
+# one sequence, so the call runs this loop instead.
+
+# generation settings whose processors or criteria the batched loop does not apply, with the values that are off
+UNSUPPORTED_SETTINGS = {
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+    "min_length": (None, 0), "min_new_tokens": (None, 0), "bad_words_ids": (None,), "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,), "min_p": (None,),
+    "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "guidance_scale": (None, 1.0),
+    "renormalize_logits": (None, False), "watermarking_config": (None,), "stop_strings": (None,), "max_time": (None,),
+    "num_assistant_tokens_schedule": (None, "constant"),
+}
+CALL_ONLY = {"inputs", "input_ids", "attention_mask", "generation_config", "assistant_model", "streamer",
+             "logits_processor", "stopping_criteria", "tokenizer", "generator"}
+
+
+def generation_settings(target, call: dict):
+    """The call's generation config: its `generation_config` (else the target's) updated with its keyword settings."""
+
+    config = copy.deepcopy(call.get("generation_config") or target.generation_config)
+    config.update(**{k: v for k, v in call.items() if k not in CALL_ONLY and hasattr(config, k)})
+    return config
+
+
+def check_batch_call(call: dict, config) -> None:
+    """Refuses, before compute, what a batch through `target.generate` cannot take, each with its reason."""
+    if call.get("streamer") is not None:
+        raise ValueError("a streamer takes one sequence: transformers refuses streaming a batch, and so does DFlash")
+    for name in ("logits_processor", "stopping_criteria"):
+        if call.get(name):
+            raise ValueError(
+                f"{name} is not supported with a batch and a DFlash assistant yet; decode the prompts one at a time"
+            )
+    for name, off in UNSUPPORTED_SETTINGS.items():
+        if getattr(config, name, None) not in off:
+            raise ValueError(
+                f"{name}={getattr(config, name)!r} is not supported with a batch and a DFlash assistant (its batched "
+                "loop applies temperature, top-k and top-p only); decode the prompts one at a time"
+            )
+    if config.cache_implementation not in (None, "dynamic") or call.get("past_key_values") is not None:
+        raise ValueError("a batch with a DFlash assistant builds its own ragged dynamic cache: leave the cache unset")
+
+
+def generate_batch(target, draft, call: dict, block_size: int) -> torch.Tensor:
+    """`target.generate` for a left-padded batch with a DFlash assistant: the batched loop with the call's greedy or
+    sampling settings, `max_new_tokens` (or `max_length`), `eos_token_id` and `pad_token_id`."""
+    ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
+    config = generation_settings(target, call)
+    check_batch_call(call, config)
+    sample = bool(config.do_sample)
+    return draft.spec_generate(
+        target,
+        ids,
+        attention_mask=call.get("attention_mask"),
+        max_new_tokens=config.max_new_tokens or (config.max_length or 20) - ids.shape[1],
+        stop_token_ids=config.eos_token_id,
+        temperature=(config.temperature if config.temperature is not None else 1.0) if sample else 0.0,
+        top_k=(config.top_k if config.top_k is not None else 50) if sample else 0,  # generate's defaults
+        top_p=(config.top_p if config.top_p is not None else 1.0) if sample else 1.0,
+        block_size=block_size,
+        tree_budget=0,
+        prompt_lookup_num_tokens=0,
+        pad_token_id=config.pad_token_id,
+    )

@@ -1,0 +1,185 @@
+"""Batched `spec_generate`: every row of a left-padded batch equals that prompt decoded alone."""
+
+import pytest
+import torch
+
+from conftest import (
+    VOCAB,
+    OracleDraft,
+    chi_square_p_value,
+    exact_two_token_distribution,
+    greedy_reference,
+    make_draft,
+    make_draft_config,
+    make_target,
+    watched_target,
+)
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+PAD = 0
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def expected_rows(target, prompts, max_new: int, stop: int | None = None) -> list[list[int]]:
+    """Each prompt's plain greedy continuation alone, cut after the first stop token."""
+    rows = []
+    for p in prompts:
+        new = greedy_reference(target, torch.tensor([p]), max_new)[0, len(p) :].tolist()
+        rows.append(new[: new.index(stop) + 1] if stop in new else new)
+    return rows
+
+
+def new_tokens(out: torch.Tensor, prompt_width: int, lengths: list[int]) -> list[list[int]]:
+    return [row[prompt_width : prompt_width + n] for row, n in zip(out.tolist(), lengths)]
+
+
+PROMPTS = [[5], [7, 8, 9, 10, 11, 12], [20, 21, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_every_row_equals_its_prompt_decoded_alone(arch, block_size):
+    target, draft = make_target(arch), make_draft()
+    ids, mask = left_pad(PROMPTS)
+    expected = expected_rows(target, PROMPTS, 20)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=20, block_size=block_size,
+                              stop_token_ids=None, return_stats=True)
+    assert out.output_ids.shape == (3, ids.shape[1] + 20)
+    assert torch.equal(out.output_ids[:, : ids.shape[1]], ids), "the padded prompts come back as they went in"
+    assert new_tokens(out.output_ids, ids.shape[1], [20] * 3) == expected
+    assert all(sum(row) + 1 >= 20 for row in out.acceptance_lengths), "the prefill gives the first token"
+
+
+class BatchOracle(OracleDraft):
+    """Right for `k` tokens of each row's own continuation, with `k` different per row and per round, so rows
+    accept different prefixes in the same round; records each round's `k` per row."""
+
+    def setup_rows(self, target, references: list[list[int]], block_size: int):
+        self.setup(target, torch.tensor([references[0]]), 0)
+        self.references, self.block_size, self.ks = references, block_size, []
+        return self
+
+    def forward(self, noise_embeds, context_hidden_states, position_ids=None, **kwargs):
+        out = super(OracleDraft, self).forward(noise_embeds, context_hidden_states, position_ids=position_ids, **kwargs)
+        block, rounds = noise_embeds.shape[1], len(self.ks)
+        rows = []
+        ks = [(rounds + 2 * r) % block for r in range(noise_embeds.shape[0])]
+        for row, k in zip(self.row_ids, ks):
+            self.reference, self.k = self.references[row], k
+            start = int(position_ids[len(rows), -block])
+            rows.append(torch.stack([self.logits_at(start + i, i) for i in range(block)]))
+        self.ks.append(dict(zip(self.row_ids, ks)))
+        out.last_hidden_state = (torch.stack(rows) @ self.lm_head_pinv.T).to(noise_embeds.dtype)
+        return out
+
+
+def test_rows_accept_different_prefixes_in_the_same_round_and_stay_exact(monkeypatch):
+    """Forces every k from 0 to block - 1 on every row, different per row in each round; a row's acceptance is its
+    own k + 1 (or less where its output ends), and output equals each prompt's plain greedy decoding."""
+    import batch_dflash
+
+    target, block_size, max_new = make_target("qwen3"), 6, 30
+    prompts = PROMPTS
+    references = [p + e for p, e in zip(prompts, expected_rows(target, prompts, max_new + block_size))]
+    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
+    original = batch_dflash.draft_block
+
+    def recording(draft_model, embed, head, rows, cache, size):
+        draft_model.row_ids = rows.ids.tolist()
+        return original(draft_model, embed, head, rows, cache, size)
+
+    monkeypatch.setattr(batch_dflash, "draft_block", recording)
+    ids, mask = left_pad(prompts)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new, block_size=block_size,
+                              stop_token_ids=None, return_stats=True)
+    assert new_tokens(out.output_ids, ids.shape[1], [max_new] * 3) == expected_rows(target, prompts, max_new)
+    for row in range(3):
+        rounds = [ks[row] for ks in draft.ks if row in ks]
+        taus = out.acceptance_lengths[row]
+        assert taus[:-1] == [k + 1 for k in rounds[: len(taus) - 1]], f"row {row}"
+        assert set(rounds) == set(range(block_size)), f"row {row} saw k {set(rounds)}"  # block - 1: all accepted
+    assert any(len(set(ks.values())) == len(ks) > 1 for ks in draft.ks), "rows accepted different k in one round"
+
+
+def test_rows_that_stop_leave_the_batch_and_are_padded_after_their_end():
+    target, draft = make_target("llama"), make_draft()
+    continuations = expected_rows(target, PROMPTS, 24)
+    stop = continuations[1][3]  # row 1 stops at its 4th new token; the others wherever this token comes, if at all
+    expected = expected_rows(target, PROMPTS, 24, stop)
+    sizes = []
+    target.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    ids, mask = left_pad(PROMPTS)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=24, stop_token_ids=[stop])
+    width, lengths = ids.shape[1], [len(e) for e in expected]
+    assert new_tokens(out, width, lengths) == expected
+    assert out.shape[1] == width + max(lengths)
+    pad = stop if target.generation_config.pad_token_id is None else target.generation_config.pad_token_id
+    for row, n in enumerate(lengths):  # as generate: the pad token, else the stop token
+        assert out[row, width + n :].tolist() == [pad] * (max(lengths) - n), "padded after the row's end"
+    assert min(lengths) < 24 and sizes[-1] < 3, f"a stopped row kept costing compute: batch sizes {sizes}"
+
+
+def test_each_row_keeps_its_own_sampling_distribution():
+    """Chi-square, per row, of two sampled tokens against that prompt's exact distribution (fails at p < 1e-4)."""
+    target = make_target("llama", initializer_range=0.5)
+    draft = make_draft()
+    temperature, n = 1.0, 1500
+    prompts = [[5, 6, 7], [9]]
+    ids, mask = left_pad(prompts)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    exact = [exact_two_token_distribution(target, torch.tensor([p]), processors) for p in prompts]
+    counts = torch.zeros(2, VOCAB * VOCAB)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=2, temperature=temperature,
+                                  block_size=4, generator=g, stop_token_ids=None)
+        for row, (t1, t2) in enumerate(out[:, -2:].tolist()):
+            counts[row, t1 * VOCAB + t2] += 1
+    for row in range(2):
+        p_value, chi2, dof = chi_square_p_value(counts[row], exact[row])
+        assert p_value > 1e-4, f"row {row}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_rows_held_to_the_shortest_acceptance_stay_exact():
+    """The benchmark's simple alternative: every row commits the batch's shortest accepted prefix each round."""
+    target, draft = make_target("qwen3"), make_draft()
+    ids, mask = left_pad(PROMPTS)
+    out = draft._batched_spec_generate(target, ids, mask, max_new_tokens=16, stop_token_ids=None, temperature=0.0,
+                                       top_p=1.0, top_k=0, block_size=4, return_stats=True, generator=None,
+                                       align_rows=True)
+    assert new_tokens(out.output_ids, ids.shape[1], [16] * 3) == expected_rows(target, PROMPTS, 16)
+    assert out.acceptance_lengths[0] == out.acceptance_lengths[1] == out.acceptance_lengths[2]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 9])
+def test_rows_that_end_at_the_prefill_or_in_the_first_round(max_new):
+    """One new token (the prefill's), or a stop token as one row's first new token: that row leaves the batch before
+    the draft ever ran for it."""
+    target, draft = make_target("llama"), make_draft()
+    stop = expected_rows(target, PROMPTS, 1)[0][0]
+    expected = expected_rows(target, PROMPTS, max_new, stop)
+    ids, mask = left_pad(PROMPTS)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new, stop_token_ids=stop)
+    assert new_tokens(out, ids.shape[1], list(map(len, expected))) == expected
+    assert len(expected[0]) == 1
+
+
+@pytest.mark.parametrize(
+    "target_kwargs, message",
+    [
+        ({"attn": "flash_attention_2"}, "batch verification needs an attention implementation that takes a custom 4D"),
+        ({"arch": "mistral", "sliding_window": 16}, "batch verification replaces the target's sliding-window mask"),
+    ],
+)
+def test_a_target_whose_attention_cannot_take_the_batch_mask_is_refused(target_kwargs, message):
+    target, calls = watched_target(**target_kwargs)
+    ids, mask = left_pad(PROMPTS)
+    with pytest.raises(ValueError, match=message):
+        make_draft().spec_generate(target, ids, attention_mask=mask, max_new_tokens=32)
+    assert not calls, "the target ran before the error"
