@@ -101,9 +101,9 @@ def test_some_answer_ends_with_eos_inside_the_budget(models, prompts):
     assert out[0, -1] == tokenizer.eos_token_id and out.shape[1] - prompts["math"].shape[1] < MAX_NEW
 
 
-# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.65 (stage 6, tree of 4 + lookup branch of 7;
-# stage 4 with the tree alone: 1.51): raise it with a better draft
-TAU_FLOOR = 1.60
+# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.70 (stage 7, tree of 4 + lookup branch of 7;
+# stage 6: 1.65): raise it with a better draft
+TAU_FLOOR = 1.65
 
 
 def test_the_shipped_draft_keeps_its_acceptance(models, prompts):
@@ -135,10 +135,11 @@ def test_a_left_padded_chat_batch_gives_every_row_its_plain_output(models, promp
     padded after it."""
     target, tokenizer, draft = models
     texts = [*PROMPTS.values(), "Name the capital of France."]
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    side, pad, tokenizer.padding_side = tokenizer.padding_side, tokenizer.pad_token, "left"
+    tokenizer.pad_token = pad or tokenizer.eos_token  # transformers 4.57's GGUF tokenizer has none, as is usual
     batch = tokenizer.apply_chat_template([[{"role": "user", "content": t}] for t in texts], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True, padding=True)
-    tokenizer.padding_side = side
+    tokenizer.padding_side, tokenizer.pad_token = side, pad
     assert not bool(batch["attention_mask"].all()), "the prompts must need padding"
     with DraftCalls(draft) as calls:
         if route == "generate":
