@@ -15,12 +15,13 @@ from transformers import DynamicCache
 
 try:
     from .cache_dflash import cache_kwarg, drop_last, is_hybrid
-    from .tree_dflash import check_tree_supported
+    from .tree_dflash import DraftTree, check_tree_supported
     from .generation_dflash import (
         DraftHead,
         LayerFeatures,
         OutputEnd,
         SpecGenerateOutput,
+        chain_proposal,
         draft_embedding,
         pick_tokens,
         sampling_warpers,
@@ -28,12 +29,13 @@ try:
     )
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
-    from tree_dflash import check_tree_supported
+    from tree_dflash import DraftTree, check_tree_supported
     from generation_dflash import (
         DraftHead,
         LayerFeatures,
         OutputEnd,
         SpecGenerateOutput,
+        chain_proposal,
         draft_embedding,
         pick_tokens,
         sampling_warpers,
@@ -127,8 +129,7 @@ def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size:
     ).last_hidden_state[:, 1:]
     drop_last(cache, block_size)  # the cache keeps committed context only
     rows.draft_keys = torch.cat([rows.draft_keys, rows.context_keys], dim=1)
-    best = head.scores(hidden).max(dim=-1).indices
-    return best if head.vocab is None else head.vocab[best]
+    return chain_proposal(draft, head.scores(hidden), hidden, rows.last, None, vocab=head.vocab)
 
 
 def verify_blocks(target, cache, rows: Rows, drafted: torch.Tensor, warpers, generator) -> torch.Tensor:
@@ -150,7 +151,7 @@ def verify_blocks(target, cache, rows: Rows, drafted: torch.Tensor, warpers, gen
 
 def accepted_lengths(drafted: list[list[int]], chosen: list[list[int]]) -> list[int]:
     """Per row, how many leading drafted tokens equal the target's choice at the position before."""
-    return [next((i for i, (d, c) in enumerate(zip(ds, cs)) if d != c), len(ds)) for ds, cs in zip(drafted, chosen)]
+    return [len(DraftTree.chain(ds).accept(cs)) - 1 for ds, cs in zip(drafted, chosen)]
 
 
 def commit(rows: Rows, cache: DynamicCache, features: torch.Tensor, accepted: list[int], chosen: torch.Tensor) -> None:
