@@ -11,7 +11,16 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 try:
     from .cache_dflash import cache_kwarg, drop_last, is_hybrid
@@ -22,6 +31,7 @@ try:
         OutputEnd,
         SpecGenerateOutput,
         chain_proposal,
+        check_generation_inputs,
         draft_embedding,
         pick_tokens,
         sampling_warpers,
@@ -36,6 +46,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         OutputEnd,
         SpecGenerateOutput,
         chain_proposal,
+        check_generation_inputs,
         draft_embedding,
         pick_tokens,
         sampling_warpers,
@@ -132,9 +143,9 @@ def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size:
     return chain_proposal(draft, head.scores(hidden), hidden, rows.last, None, vocab=head.vocab)
 
 
-def verify_blocks(target, cache, rows: Rows, drafted: torch.Tensor, warpers, generator) -> torch.Tensor:
-    """The target's `[b, block]` choices after `[last, drafted]`, every row at its own positions and seeing only
-    its own cache entries."""
+def verify_blocks(target, cache, rows: Rows, drafted: torch.Tensor) -> torch.Tensor:
+    """The target's `[b, block, vocab]` logits after `[last, drafted]`, every row at its own positions and seeing
+    only its own cache entries."""
     ids = torch.cat([rows.last, drafted], dim=1)
     n = ids.shape[1]
     causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
@@ -146,12 +157,64 @@ def verify_blocks(target, cache, rows: Rows, drafted: torch.Tensor, warpers, gen
         use_cache=True,
         **{cache_kwarg(target): cache},
     )
-    return pick_tokens(out.logits, warpers, generator)
+    return out.logits
 
 
 def accepted_lengths(drafted: list[list[int]], chosen: list[list[int]]) -> list[int]:
     """Per row, how many leading drafted tokens equal the target's choice at the position before."""
     return [len(DraftTree.chain(ds).accept(cs)) - 1 for ds, cs in zip(drafted, chosen)]
+
+
+# warpers that never read the input ids: one call covers every row and position
+PREFIX_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+class RowPicker:
+    """Picks each row's tokens from the target's logits through that row's logits processors. A processor that reads
+    input ids gets, at each position, the row's own prefix (its padded prompt, its output so far, the drafted tokens
+    before the position): the input ids plain batched `generate` would give it at that step."""
+
+    def __init__(self, processors: list[LogitsProcessorList], prompts: torch.Tensor, sample: bool, generator):
+        self.processors, self.prompts, self.sample, self.generator = processors, prompts, sample, generator
+        self.per_row = any(not isinstance(p, PREFIX_FREE) for row in processors for p in row)
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], outputs: list[list[int]], drafted: torch.Tensor):
+        """`[b, n]` tokens from `[b, n, vocab]` logits that follow each row's output and `drafted` `[b, n - 1]`."""
+        if not self.per_row:  # every row has the same warpers (or none)
+            return pick_tokens(logits, self.processors[0] if self.sample else LogitsProcessorList(), self.generator)
+        scores = torch.stack([self.row_scores(lg, row, outputs[row], ds) for lg, row, ds in zip(logits, rows, drafted)])
+        if not self.sample:
+            return scores.max(dim=-1).indices
+        probs = torch.softmax(scores.flatten(0, 1), dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).view(scores.shape[:2])
+
+    def row_scores(self, logits: torch.Tensor, row: int, output: list[int], drafted: torch.Tensor) -> torch.Tensor:
+        prefix = torch.cat([self.prompts[row], torch.tensor(output, dtype=torch.long, device=logits.device), drafted])
+        base = prefix.shape[0] - drafted.shape[0]
+        return torch.cat([
+            self.processors[row](prefix[None, : base + j], logits[j : j + 1].float()) for j in range(logits.shape[0])
+        ])
+
+
+class CriteriaEnd(OutputEnd):
+    """An `OutputEnd` that also ends where the call's stopping criteria first stop, checked once at each new prefix
+    of the row (its padded prompt and output), as plain batched `generate` checks them after each step."""
+
+    def __init__(self, stops: set[int], max_new_tokens: int, criteria: StoppingCriteriaList, prompt: torch.Tensor):
+        super().__init__(stops, max_new_tokens)
+        self.criteria, self.prompt = criteria, prompt
+
+    def update(self, tokens: list[int]) -> int:
+        checked, stopped = self.checked, self.stop is not None
+        length = super().update(tokens)
+        if stopped:
+            return length
+        ids = torch.cat([self.prompt, torch.tensor(tokens[:length], dtype=torch.long, device=self.prompt.device)])
+        for n in range(checked + 1, length + 1):
+            if bool(self.criteria(ids[None, : self.prompt.shape[0] + n], None).all()):
+                self.stop = n
+                return n
+        return length
 
 
 def commit(rows: Rows, cache: DynamicCache, features: torch.Tensor, accepted: list[int], chosen: torch.Tensor) -> None:
@@ -187,6 +250,8 @@ def batched_spec_generate(
     generator: torch.Generator | None,
     pad_token_id: int | None = None,
     align_rows: bool = False,
+    row_processors: list[LogitsProcessorList] | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
     **options,
 ):
     """`spec_generate` for a batch of left-padded prompts (`input_ids` `[b, prompt_len]` and their `attention_mask`):
@@ -194,18 +259,26 @@ def batched_spec_generate(
     `return_stats`, a `SpecGenerateOutput` whose `acceptance_lengths` holds one list per row. Every row equals that
     prompt's own decoding: identical tokens at `temperature=0` in float32, its own distribution above.
     `align_rows` keeps every row to the batch's shortest acceptance each round, so the cache has no holes: the simple
-    alternative, measured by `python -m bench --batch-size`."""
+    alternative, measured by `python -m bench --batch-size`. `row_processors` (one `LogitsProcessorList` per row,
+    then in place of the temperature, top-k and top-p warpers; `temperature > 0` still means sampling) and
+    `stopping_criteria` apply per row, as plain batched `generate` applies them: `target.generate` passes the call's."""
     refuse_batch_options(self, target, input_ids.shape[1] + max_new_tokens + block_size, **options)
     real = left_padding_mask(input_ids, attention_mask)
     stops = stop_ids(target, stop_token_ids)
     pad = pad_token_id if pad_token_id is not None else pad_id(target, stops)
-    warpers = sampling_warpers(temperature, top_k, top_p)
+    processors = row_processors or [sampling_warpers(temperature, top_k, top_p)] * input_ids.shape[0]
+    pick = RowPicker(processors, input_ids, temperature > 0, generator)
     embed, head = draft_embedding(self, target), DraftHead(self, target.get_output_embeddings())
     batch, prompt_len = input_ids.shape
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     outputs = [[] for _ in range(batch)]
     taus: list[list[int]] = [[] for _ in range(batch)]
-    ends = [OutputEnd(stops, max_new_tokens) for _ in range(batch)]
+    ends = [
+        CriteriaEnd(stops, max_new_tokens, stopping_criteria, prompt)
+        if stopping_criteria
+        else OutputEnd(stops, max_new_tokens)
+        for prompt in input_ids
+    ]
     positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
 
     with LayerFeatures(target, self.config.target_layer_ids) as features:
@@ -217,7 +290,7 @@ def batched_spec_generate(
             logits_to_keep=1,
             **{cache_kwarg(target): target_cache},
         )
-        last = pick_tokens(out.logits[:, -1:], warpers, generator)
+        last = pick(out.logits[:, -1:], list(range(batch)), outputs, input_ids[:, :0])
         rows = Rows(
             ids=torch.arange(batch, device=input_ids.device),
             position=real.sum(dim=1),
@@ -233,7 +306,7 @@ def batched_spec_generate(
         rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
         while rows.ids.numel():
             drafted = draft_block(self, embed, head, rows, draft_cache, block_size)
-            chosen = verify_blocks(target, target_cache, rows, drafted, warpers, generator)
+            chosen = pick(verify_blocks(target, target_cache, rows, drafted), rows.ids.tolist(), outputs, drafted)
             drafted_list, chosen_list = drafted.tolist(), chosen.tolist()  # the round's device-to-host transfer
             accepted = accepted_lengths(drafted_list, chosen_list)
             if align_rows:  # the target's choice after the shortest prefix is every row's own next token
@@ -276,15 +349,20 @@ def pad_id(target, stops: set[int]) -> int:
 # `target.generate(ids, attention_mask=mask, assistant_model=draft)` with a batch: transformers' assisted loop takes
 # one sequence, so the call runs this loop instead.
 
-# generation settings whose processors or criteria the batched loop does not apply, with the values that are off
+# generation settings the batched loop cannot honour, with the values that are off, and why
 UNSUPPORTED_SETTINGS = {
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
-    "min_length": (None, 0), "min_new_tokens": (None, 0), "bad_words_ids": (None,), "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,), "min_p": (None,),
-    "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "guidance_scale": (None, 1.0),
-    "renormalize_logits": (None, False), "watermarking_config": (None,), "stop_strings": (None,), "max_time": (None,),
-    "num_assistant_tokens_schedule": (None, "constant"),
+    "guidance_scale": ((None, 1.0), "classifier-free guidance runs a second, unconditional model per row"),
+    "num_assistant_tokens_schedule": ((None, "constant"), "the heuristic schedule sizes one row's block"),
+    "output_scores": ((None, False), "a batch returns sequences only"),
+    "output_logits": ((None, False), "a batch returns sequences only"),
+    "output_attentions": ((None, False), "a batch returns sequences only"),
+    "output_hidden_states": ((None, False), "a batch returns sequences only"),
+}
+# call arguments the batched loop cannot honour, and why
+UNSUPPORTED_ARGUMENTS = {
+    "streamer": "a streamer takes one sequence: transformers refuses streaming a batch, and so does DFlash",
+    "prefix_allowed_tokens_fn": "its batch index would be lost: the loop calls processors one row at a time",
+    "negative_prompt_ids": "classifier-free guidance runs a second, unconditional model per row",
 }
 CALL_ONLY = {"inputs", "input_ids", "attention_mask", "generation_config", "assistant_model", "streamer",
              "logits_processor", "stopping_criteria", "tokenizer", "generator"}
@@ -300,41 +378,70 @@ def generation_settings(target, call: dict):
 
 def check_batch_call(call: dict, config) -> None:
     """Refuses, before compute, what a batch through `target.generate` cannot take, each with its reason."""
-    if call.get("streamer") is not None:
-        raise ValueError("a streamer takes one sequence: transformers refuses streaming a batch, and so does DFlash")
-    for name in ("logits_processor", "stopping_criteria"):
-        if call.get(name):
-            raise ValueError(
-                f"{name} is not supported with a batch and a DFlash assistant yet; decode the prompts one at a time"
-            )
-    for name, off in UNSUPPORTED_SETTINGS.items():
+    for name, reason in UNSUPPORTED_ARGUMENTS.items():
+        if call.get(name) is not None:
+            raise ValueError(f"{name} is not supported with a batch and a DFlash assistant: {reason}")
+    for name, (off, reason) in UNSUPPORTED_SETTINGS.items():
         if getattr(config, name, None) not in off:
             raise ValueError(
-                f"{name}={getattr(config, name)!r} is not supported with a batch and a DFlash assistant (its batched "
-                "loop applies temperature, top-k and top-p only); decode the prompts one at a time"
+                f"{name}={getattr(config, name)!r} is not supported with a batch and a DFlash assistant: {reason}; "
+                "decode the prompts one at a time"
             )
     if config.cache_implementation not in (None, "dynamic") or call.get("past_key_values") is not None:
         raise ValueError("a batch with a DFlash assistant builds its own ragged dynamic cache: leave the cache unset")
 
 
-def generate_batch(target, draft, call: dict, block_size: int) -> torch.Tensor:
+def processors_and_criteria(target, call: dict, config, ids: torch.Tensor):
+    """The logits processors (warpers included when sampling) plain `generate` builds for this call, one list per
+    row, each built for that row alone (transformers 5 sizes some to the batch, e.g. the repetition penalty's
+    per-row padding), and its stopping criteria, less the EOS and length criteria the loop applies itself."""
+    mask = call.get("attention_mask")
+    target._prepare_special_tokens(config, mask is not None, device=ids.device)
+    rows = [
+        target._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=ids.shape[1],
+            encoder_input_ids=ids[row : row + 1],
+            logits_processor=call.get("logits_processor") or LogitsProcessorList(),
+            device=ids.device,
+            model_kwargs={} if mask is None else {"attention_mask": torch.as_tensor(mask)[row : row + 1]},
+        )
+        for row in range(ids.shape[0])
+    ]
+    criteria = target._get_stopping_criteria(
+        generation_config=config,
+        stopping_criteria=call.get("stopping_criteria") or StoppingCriteriaList(),
+        tokenizer=call.get("tokenizer"),
+    )
+    own = (MaxLengthCriteria, EosTokenCriteria)
+    return rows, StoppingCriteriaList(c for c in criteria if not isinstance(c, own))
+
+
+def generate_batch(target, draft, call: dict, block_size: int):
     """`target.generate` for a left-padded batch with a DFlash assistant: the batched loop with the call's greedy or
-    sampling settings, `max_new_tokens` (or `max_length`), `eos_token_id` and `pad_token_id`."""
+    sampling settings, logits processors and stopping criteria applied per row as plain batched `generate` applies
+    them, `max_new_tokens` (or `max_length`), `eos_token_id` and `pad_token_id`."""
     ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
     config = generation_settings(target, call)
     check_batch_call(call, config)
-    sample = bool(config.do_sample)
-    return draft.spec_generate(
+    max_new_tokens = config.max_new_tokens or (config.max_length or 20) - ids.shape[1]
+    check_generation_inputs(ids, max_new_tokens, block_size)
+    config.max_length = ids.shape[1] + max_new_tokens  # what generate's processors and criteria count against
+    processors, criteria = processors_and_criteria(target, call, config, ids)
+    sequences = draft._batched_spec_generate(
         target,
         ids,
-        attention_mask=call.get("attention_mask"),
-        max_new_tokens=config.max_new_tokens or (config.max_length or 20) - ids.shape[1],
+        call.get("attention_mask"),
+        max_new_tokens=max_new_tokens,
         stop_token_ids=config.eos_token_id,
-        temperature=(config.temperature if config.temperature is not None else 1.0) if sample else 0.0,
-        top_k=(config.top_k if config.top_k is not None else 50) if sample else 0,  # generate's defaults
-        top_p=(config.top_p if config.top_p is not None else 1.0) if sample else 1.0,
+        temperature=1.0 if config.do_sample else 0.0,  # the processors carry the call's temperature
+        top_p=1.0,
+        top_k=0,
         block_size=block_size,
-        tree_budget=0,
-        prompt_lookup_num_tokens=0,
+        return_stats=False,
+        generator=None,
         pad_token_id=config.pad_token_id,
+        row_processors=processors,
+        stopping_criteria=criteria,
     )
+    return GenerateDecoderOnlyOutput(sequences=sequences) if config.return_dict_in_generate else sequences

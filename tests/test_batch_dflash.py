@@ -7,14 +7,22 @@ from conftest import (
     VOCAB,
     OracleDraft,
     chi_square_p_value,
+    exact_joint_distribution,
     exact_two_token_distribution,
     greedy_reference,
     make_draft,
     make_draft_config,
     make_target,
+    make_tokenizer,
     watched_target,
 )
-from transformers import LogitsProcessorList, TemperatureLogitsWarper
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+)
 
 PAD = 0
 
@@ -79,15 +87,11 @@ class BatchOracle(OracleDraft):
         return out
 
 
-def test_rows_accept_different_prefixes_in_the_same_round_and_stay_exact(monkeypatch):
-    """Forces every k from 0 to block - 1 on every row, different per row in each round; a row's acceptance is its
-    own k + 1 (or less where its output ends), and output equals each prompt's plain greedy decoding."""
+@pytest.fixture
+def row_ids_to_oracle(monkeypatch):
+    """Tells a `BatchOracle` which batch rows each draft pass holds."""
     import batch_dflash
 
-    target, block_size, max_new = make_target("qwen3"), 6, 30
-    prompts = PROMPTS
-    references = [p + e for p, e in zip(prompts, expected_rows(target, prompts, max_new + block_size))]
-    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
     original = batch_dflash.draft_block
 
     def recording(draft_model, embed, head, rows, cache, size):
@@ -95,6 +99,15 @@ def test_rows_accept_different_prefixes_in_the_same_round_and_stay_exact(monkeyp
         return original(draft_model, embed, head, rows, cache, size)
 
     monkeypatch.setattr(batch_dflash, "draft_block", recording)
+
+
+def test_rows_accept_different_prefixes_in_the_same_round_and_stay_exact(row_ids_to_oracle):
+    """Forces every k from 0 to block - 1 on every row, different per row in each round; a row's acceptance is its
+    own k + 1 (or less where its output ends), and output equals each prompt's plain greedy decoding."""
+    target, block_size, max_new = make_target("qwen3"), 6, 30
+    prompts = PROMPTS
+    references = [p + e for p, e in zip(prompts, expected_rows(target, prompts, max_new + block_size))]
+    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
     ids, mask = left_pad(prompts)
     out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new, block_size=block_size,
                               stop_token_ids=None, return_stats=True)
@@ -183,3 +196,95 @@ def test_a_target_whose_attention_cannot_take_the_batch_mask_is_refused(target_k
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target, ids, attention_mask=mask, max_new_tokens=32)
     assert not calls, "the target ran before the error"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `target.generate` with a batch: the call's logits processors and stopping criteria, per row.
+
+
+class AvoidRecent(LogitsProcessor):
+    """Reads the input ids: bans the tokens among each row's last three."""
+
+    def __call__(self, input_ids, scores):
+        return scores.scatter(1, input_ids[:, -3:], -float("inf"))
+
+
+class StopAt(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def processing_settings(name: str, free: list[list[int]]) -> dict:
+    """Settings that change at least one row's plain greedy output `free` (each row's new tokens). Stopping comes
+    with an EOS token no row writes: only with one does plain batched `generate` pad a row after its stop (without,
+    it keeps writing the row's tokens until every row stops), and padding after the stop is what DFlash does."""
+    unused = min(set(range(3, VOCAB)) - {t for row in free for t in row})
+    if name == "penalties":
+        return dict(repetition_penalty=1.5, no_repeat_ngram_size=2)
+    if name == "min_new_tokens":  # row 1 would end at its third token
+        return dict(eos_token_id=free[1][2], min_new_tokens=8)
+    if name == "logits_processor":
+        return dict(logits_processor=LogitsProcessorList([AvoidRecent()]))
+    if name == "stopping_criteria":
+        return dict(stopping_criteria=StoppingCriteriaList([StopAt(free[2][4])]), eos_token_id=unused)
+    return dict(stop_strings=[f"t{free[0][5]}"], tokenizer=make_tokenizer(), eos_token_id=unused)
+
+
+SETTINGS = ["penalties", "min_new_tokens", "logits_processor", "stopping_criteria", "stop_strings"]
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_generate_applies_each_rows_processors_and_criteria_as_plain_batched_generate(name, row_ids_to_oracle):
+    """Output equals plain batched `target.generate` with the same settings, while the oracle forces every row to
+    accept a different k in each round (so processors see prefixes that end inside accepted drafts)."""
+    target, block_size, max_new = make_target("qwen3"), 6, 24
+    ids, mask = left_pad(PROMPTS)
+    width, common = ids.shape[1], dict(attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
+    free = target.generate(ids, **common)[:, width:].tolist()
+    settings = processing_settings(name, free)
+    plain = target.generate(ids, **common, **settings)
+    assert plain[:, width:].tolist() != free, f"{name} changes no row, so the test would prove nothing"
+    references = [p + row[width:] for p, row in zip(PROMPTS, plain.tolist())]  # pads past a row's end: never accepted
+    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
+    out = target.generate(ids, assistant_model=draft, num_assistant_tokens=block_size - 1, **common, **settings)
+    assert torch.equal(out, plain)
+    assert any(k > 0 for ks in draft.ks for k in ks.values()), "the draft's tokens were accepted"
+
+
+class BanLast(LogitsProcessor):
+    """Reads the input ids: bans each row's last token, so the second sampled token depends on the first."""
+
+    def __call__(self, input_ids, scores):
+        return scores.scatter(1, input_ids[:, -1:], -float("inf"))
+
+
+def test_generate_samples_each_row_through_its_own_processors():
+    """Chi-square, per row, of two tokens sampled with a processor that reads each row's prefix (fails at p < 1e-4)."""
+    target, draft = make_target("llama", initializer_range=0.5), make_draft()
+    prompts, n = [[5, 6, 7], [9]], 1200
+    ids, mask = left_pad(prompts)
+    processors = LogitsProcessorList([BanLast(), TemperatureLogitsWarper(0.8)])
+    exact = [exact_joint_distribution(target, torch.tensor([p]), processors, 2).flatten() for p in prompts]
+    counts = torch.zeros(2, VOCAB * VOCAB)
+    torch.manual_seed(0)
+    for _ in range(n):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=2, do_sample=True,
+                              temperature=0.8, top_k=0, pad_token_id=PAD, logits_processor=[BanLast()])
+        for row, (t1, t2) in enumerate(out[:, -2:].tolist()):
+            counts[row, t1 * VOCAB + t2] += 1
+    for row in range(2):
+        assert counts[row].view(VOCAB, VOCAB).diagonal().sum() == 0, "a row repeated the token its processor bans"
+        p_value, chi2, dof = chi_square_p_value(counts[row], exact[row])
+        assert p_value > 1e-4, f"row {row}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_generate_returns_a_batch_as_the_output_object_it_asked_for():
+    target, draft = make_target("llama"), make_draft()
+    ids, mask = left_pad(PROMPTS)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=6, pad_token_id=PAD,
+                          return_dict_in_generate=True)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
+    assert torch.equal(out.sequences, plain)

@@ -428,9 +428,9 @@ def test_a_batch_samples_each_row_from_its_own_distribution():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"repetition_penalty": 1.3}, "repetition_penalty=1.3 is not supported with a batch"),
-        ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size=2 is not supported with a batch"),
-        ({"logits_processor": LogitsProcessorList([TemperatureLogitsWarper(0.5)])}, "logits_processor is not supported"),
+        ({"guidance_scale": 1.5}, "guidance_scale=1.5 is not supported with a batch .*unconditional model"),
+        ({"output_scores": True, "return_dict_in_generate": True}, "output_scores=True is not supported with a batch"),
+        ({"prefix_allowed_tokens_fn": lambda batch, ids: [3]}, "prefix_allowed_tokens_fn is not supported .*batch index"),
         ({"streamer": BaseStreamer()}, "a streamer takes one sequence"),
         ({"num_assistant_tokens_schedule": "heuristic"}, "not supported with a batch"),
         ({"cache_implementation": "static"}, "builds its own ragged dynamic cache"),

@@ -135,12 +135,7 @@ def test_a_left_padded_chat_batch_gives_every_row_its_plain_output(models, promp
     padded after it."""
     target, tokenizer, draft = models
     texts = [*PROMPTS.values(), "Name the capital of France."]
-    side, pad, tokenizer.padding_side = tokenizer.padding_side, tokenizer.pad_token, "left"
-    tokenizer.pad_token = pad or tokenizer.eos_token  # transformers 4.57's GGUF tokenizer has none, as is usual
-    batch = tokenizer.apply_chat_template([[{"role": "user", "content": t}] for t in texts], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True, padding=True)
-    tokenizer.padding_side, tokenizer.pad_token = side, pad
-    assert not bool(batch["attention_mask"].all()), "the prompts must need padding"
+    batch = chat_batch(tokenizer, texts)
     with DraftCalls(draft) as calls:
         if route == "generate":
             output_ids = target.generate(**batch, assistant_model=draft, max_new_tokens=MAX_NEW, do_sample=False)
@@ -158,6 +153,32 @@ def test_a_left_padded_chat_batch_gives_every_row_its_plain_output(models, promp
         ends.append(len(expected))
     assert min(ends) < MAX_NEW == max(ends), f"rows end at different rounds: {ends}"
     assert calls.count > 0, "the draft ran"
+
+
+def test_a_chat_batch_through_generate_applies_processors_and_stop_strings_per_row(models):
+    """Repetition penalties and a stop string, as users set them: every row equals plain batched `generate`."""
+    target, tokenizer, draft = models
+    batch = chat_batch(tokenizer, [*PROMPTS.values(), "Name the capital of France."])
+    settings = dict(max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3,
+                    stop_strings=["\n\n"], tokenizer=tokenizer)
+    expected = target.generate(**batch, **settings)
+    unprocessed = target.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
+    assert expected.shape != unprocessed.shape or not torch.equal(expected, unprocessed), "the settings changed nothing"
+    with DraftCalls(draft) as calls:
+        output_ids = target.generate(**batch, **settings, assistant_model=draft)
+    assert torch.equal(output_ids, expected), tokenizer.batch_decode(output_ids[:, batch["input_ids"].shape[1] :])
+    assert calls.count > 0, "the draft ran"
+
+
+def chat_batch(tokenizer, texts: list[str]) -> dict:
+    """The chat prompts, left-padded by the tokenizer as users batch them."""
+    side, pad, tokenizer.padding_side = tokenizer.padding_side, tokenizer.pad_token, "left"
+    tokenizer.pad_token = pad or tokenizer.eos_token  # transformers 4.57's GGUF tokenizer has none, as is usual
+    batch = tokenizer.apply_chat_template([[{"role": "user", "content": t}] for t in texts], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True, padding=True)
+    tokenizer.padding_side, tokenizer.pad_token = side, pad
+    assert not bool(batch["attention_mask"].all()), "the prompts must need padding"
+    return batch
 
 
 def encode_chat(tokenizer, text: str) -> torch.Tensor:
