@@ -22,12 +22,12 @@ try:
     from .cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
     from .cache_dflash import static_length, target_cache_for
     from .configuration_dflash import check_fits_target, first_stop
-    from .tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
+    from .tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
     from cache_dflash import static_length, target_cache_for
     from configuration_dflash import check_fits_target, first_stop
-    from tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
+    from tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 
 
 @dataclass
@@ -222,8 +222,13 @@ def default_tree_budget(
     selector and a recurrent target, and, with a warning, to a target that cannot verify that tree (its attention
     takes no custom mask, or the call could outgrow its sliding window; `final_length(nodes)` is the call's longest
     sequence)."""
-    nodes = getattr(draft.config, name)
-    if schedule != "constant" or draft.has_selector or is_hybrid(target) or not nodes:
+    nodes = config_tree(
+        getattr(draft.config, name),
+        adaptive=schedule != "constant",
+        selector=draft.has_selector,
+        recurrent=is_hybrid(target),
+    )
+    if nodes is None:
         return None
     try:
         check_tree_supported(target, nodes, final_length(nodes))

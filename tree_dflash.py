@@ -59,12 +59,19 @@ class DraftTree:
             path.append(child)
         return path
 
-    def ancestors(self) -> torch.Tensor:
-        """`[n + 1, n + 1]` bool: node `i` may attend to node `j` iff `j` is `i` or one of its ancestors."""
-        seen = torch.eye(len(self.tokens) + 1, dtype=torch.bool)
+    def ancestor_rows(self) -> list[list[bool]]:
+        """`[n + 1][n + 1]`: node `i` may attend to node `j` iff `j` is `i` or one of its ancestors."""
+        rows = [[i == j for j in range(len(self.tokens) + 1)] for i in range(len(self.tokens) + 1)]
         for node, parent in enumerate(self.parents, 1):
-            seen[node] |= seen[parent]
-        return seen
+            rows[node] = [mine or theirs for mine, theirs in zip(rows[node], rows[parent])]
+        return rows
+
+    def positions(self, start: int) -> list[int]:
+        """The root at `start`, every node at `start + depth`."""
+        return [start] + [start + d for d in self.depths]
+
+    def ancestors(self) -> torch.Tensor:
+        return torch.tensor(self.ancestor_rows(), dtype=torch.bool)
 
     def attention_mask(self, cache_len: int, dtype: torch.dtype, device, kv_len: int | None = None) -> torch.Tensor:
         """Additive `[1, 1, n + 1, kv_len]` mask over `[cache ; tree ; unused slots]`: all of the cache, ancestors
@@ -79,22 +86,29 @@ class DraftTree:
         return mask[None, None].to(device)
 
     def position_ids(self, start: int, device) -> torch.Tensor:
-        """`[1, n + 1]`: the root at `start`, every node at `start + depth`."""
-        return torch.tensor([[start] + [start + d for d in self.depths]], device=device)
+        return torch.tensor([self.positions(start)], device=device)
 
 
 def build_tree(
     log_probs: torch.Tensor, budget: int, vocab: torch.Tensor | None = None, min_log_prob: float = float("-inf")
 ) -> DraftTree:
-    """The `budget` highest-scoring paths' nodes, best first. `log_probs`: `[depth, vocab]`, the draft's
-    log-probabilities at block positions 1..depth. A node's score is the sum of its path's log-probabilities, so a
-    child never outscores its parent nor a sibling its better-ranked sibling: popping a heap that holds, for each
-    node taken, its next sibling and its first child yields the nodes in exact score order (parents first). `vocab`
-    maps the columns of `log_probs` to token ids when they cover only the draft's vocabulary; nodes scoring below
-    `min_log_prob` are left out (the tree may then be empty)."""
+    """`best_first` over the draft's top choices. `log_probs`: `[depth, vocab]`, the draft's log-probabilities at
+    block positions 1..depth; `vocab` maps its columns to token ids when they cover only the draft's vocabulary."""
     width = min(budget, log_probs.shape[-1])
     values, indices = log_probs.float().topk(width, dim=-1)
-    values, indices = values.tolist(), (indices if vocab is None else vocab[indices]).tolist()
+    return best_first(values.tolist(), (indices if vocab is None else vocab[indices]).tolist(), budget, min_log_prob)
+
+
+def best_first(
+    values: list[list[float]], indices: list[list[int]], budget: int, min_log_prob: float = float("-inf")
+) -> DraftTree:
+    """The `budget` highest-scoring paths' nodes, best first, from each depth's top choices (`values`, their
+    log-probabilities in descending order, and `indices`, their tokens). A node's score is the sum of its path's
+    log-probabilities, so a child never outscores its parent nor a sibling its better-ranked sibling: popping a heap
+    that holds, for each node taken, its next sibling and its first child yields the nodes in exact score order
+    (parents first). Nodes scoring below `min_log_prob` are left out (the tree may then be empty). Framework-free:
+    the torch and MLX loops build the same tree."""
+    width = len(values[0])
     tree = DraftTree([], [], [])
     heap = [(-values[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank among siblings, parent node, parent score)
     while heap and len(tree.tokens) < budget:
@@ -111,6 +125,12 @@ def build_tree(
             if values[d - 1][r] != float("-inf"):  # a token outside the draft's vocabulary is never proposed
                 heapq.heappush(heap, (-(base + values[d - 1][r]), d, r, p, base))
     return tree
+
+
+def config_tree(nodes: int | None, *, adaptive: bool, selector: bool, recurrent: bool) -> int | None:
+    """A draft config's tree setting as a default (None: the chain): it yields to an adaptive block, a DFlash 2
+    selector (whose walk is its own chain) and a recurrent target (whose state follows one path)."""
+    return None if adaptive or selector or recurrent or not nodes else nodes
 
 
 def propose(

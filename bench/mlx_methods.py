@@ -4,6 +4,7 @@ Imported only with `--backend mlx`; every import of mlx happens inside a functio
 clean `Unavailable` instead of an ImportError.
 """
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 
@@ -58,13 +59,23 @@ def mlx_plain(ctx: Context, block_size: int | None) -> Run:
     return collect(ctx, lambda ids, n: stream_generate(ctx.target, ctx.tokenizer, ids, max_tokens=n, sampler=sample))
 
 
-def mlx_dflash(ctx: Context, block_size: int | None) -> Run:
-    """The DFlash port at `block_size`."""
+def mlx_dflash(ctx: Context, block_size: int | None, **options) -> Run:
+    """The DFlash port at `block_size`; `options` (`tree_budget`, `prompt_lookup_num_tokens`) go to its
+    `stream_generate`, where None follows the draft's config, as the shipped defaults."""
     require_draft(ctx)
     port, sample = import_mlx_port(), sampler(ctx)
     return collect(
-        ctx, lambda ids, n: port.stream_generate(ctx.target, ctx.draft, ctx.tokenizer, ids, block_size=block_size, max_tokens=n, sampler=sample)
+        ctx,
+        lambda ids, n: port.stream_generate(
+            ctx.target, ctx.draft, ctx.tokenizer, ids, block_size=block_size, max_tokens=n, sampler=sample, **options
+        ),
     )
 
 
-MLX_METHODS = {"mlx-plain": mlx_plain, "mlx-dflash": mlx_dflash}
+MLX_METHODS = {
+    "mlx-plain": mlx_plain,
+    "mlx-dflash": mlx_dflash,
+    "mlx-dflash-chain": functools.partial(mlx_dflash, tree_budget=0, prompt_lookup_num_tokens=0),
+    # one method per --tree-budget, named mlx-dflash-tree<N>: the draft's tree alone, no lookup branch
+    "mlx-dflash-tree": functools.partial(mlx_dflash, prompt_lookup_num_tokens=0),
+}

@@ -107,7 +107,7 @@ def one_line(row: dict) -> str:
     label = row["method"] if row["block_size"] is None else f"{row['method']} (block {row['block_size']})"
     return (
         f"{row['dataset']} | {label}: {fmt(row['tokens_per_second'], '.2f')} tok/s, {fmt(row['speedup'], '.2f')}x vs plain, "
-        f"acceptance length {fmt(row['mean_acceptance_length'], '.2f')}, TTFT {fmt(row['mean_ttft_seconds'], '.3f')} s, "
+        f"tokens per target pass {fmt(row['mean_acceptance_length'], '.2f')}, TTFT {fmt(row['mean_ttft_seconds'], '.3f')} s, "
         f"peak RSS {row['peak_rss_mib']:.0f} MiB, outputs differing: {differ(row)}, first at token "
         f"{fmt(row['first_divergence'], 'd')}, largest logit gap there {fmt(row['max_logit_gap'], '.3g')}"
     )
@@ -115,7 +115,7 @@ def one_line(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     """A fixed-width table of the summary rows."""
-    header = ("dataset", "method", "block", "tok/s", "speedup", "accept", "TTFT s", "RSS MiB", "differ", "1st div", "max gap")
+    header = ("dataset", "method", "block", "tok/s", "speedup", "tok/pass", "TTFT s", "RSS MiB", "differ", "1st div", "max gap")
     lines = [
         (r["dataset"], r["method"], fmt(r["block_size"], "d"), fmt(r["tokens_per_second"], ".2f"), fmt(r["speedup"], ".2f"),
          fmt(r["mean_acceptance_length"], ".2f"), fmt(r["mean_ttft_seconds"], ".3f"), f"{r['peak_rss_mib']:.0f}",

@@ -18,12 +18,13 @@ from default_target import DTYPES, resolve_dtype
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINE = {"torch": "plain", "mlx": "mlx-plain"}
 NO_DRAFT = {"plain", "prompt-lookup", "mlx-plain"}
-TREE = "spec-generate-tree"
+TREE = {"torch": "spec-generate-tree", "mlx": "mlx-dflash-tree"}  # one method per --tree-budget
 CONFIDENT = "spec-generate-confident"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    epilog = f"methods (torch):\n  {', '.join(TORCH_METHODS)}\nmethods (mlx):\n  mlx-plain, mlx-dflash"
+    epilog = (f"methods (torch):\n  {', '.join(TORCH_METHODS)}\nmethods (mlx):\n  "
+              "mlx-plain, mlx-dflash, mlx-dflash-chain, mlx-dflash-tree")
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -36,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep-block-size", help="comma-separated block sizes to compare, e.g. 2,4,8,16")
     p.add_argument("--methods", help="comma-separated methods, listed below (default: all for the backend; the baseline "
                    "is always run)")
-    p.add_argument("--tree-budget", default="16", help="comma-separated draft-tree budgets for spec-generate-tree (default 16)")
+    p.add_argument("--tree-budget", default="16", help="comma-separated draft-tree budgets for spec-generate-tree "
+                   "and mlx-dflash-tree (default 16)")
     p.add_argument("--tree-min-prob", type=float, default=0.2, help="spec-generate-confident's tree_min_prob (default 0.2)")
     p.add_argument("--batch-size", help="comma-separated batch sizes, e.g. 1,4,16: throughput of batched DFlash and "
                    "plain batched generate instead of the methods (bench.batch)")
@@ -78,21 +80,21 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def method_table(backend: str, tree_budgets: list[int], tree_min_prob: float = 0.2) -> dict:
-    """Factories by method name; `spec-generate-tree` becomes one `spec-generate-tree<N>` per budget, and
+    """Factories by method name; the tree method becomes one `<tree method><N>` per budget, and
     `spec-generate-confident` gets `tree_min_prob`."""
     if backend == "mlx":
-        from bench.mlx_methods import MLX_METHODS
-
-        return MLX_METHODS
-    table = {name: factory for name, factory in TORCH_METHODS.items() if name != TREE}
-    table[CONFIDENT] = functools.partial(TORCH_METHODS[CONFIDENT], tree_min_prob=tree_min_prob)
-    return table | {f"{TREE}{n}": functools.partial(TORCH_METHODS[TREE], tree_budget=n) for n in tree_budgets}
+        from bench.mlx_methods import MLX_METHODS as methods
+    else:
+        methods = TORCH_METHODS | {CONFIDENT: functools.partial(TORCH_METHODS[CONFIDENT], tree_min_prob=tree_min_prob)}
+    tree = TREE[backend]
+    table = {name: factory for name, factory in methods.items() if name != tree}
+    return table | {f"{tree}{n}": functools.partial(methods[tree], tree_budget=n) for n in tree_budgets}
 
 
 def selected_methods(args: argparse.Namespace, factories: dict) -> list[str]:
-    """The requested methods, baseline first; `spec-generate-tree` stands for every budget; unknown names are an error."""
-    names = args.methods.split(",") if args.methods else list(factories)
-    names = [m for n in names for m in ([k for k in factories if k.startswith(TREE)] if n == TREE else [n])]
+    """The requested methods, baseline first; the tree method stands for every budget; unknown names are an error."""
+    names, tree = args.methods.split(",") if args.methods else list(factories), TREE[args.backend]
+    names = [m for n in names for m in ([k for k in factories if k.startswith(tree)] if n == tree else [n])]
     unknown = sorted(set(names) - set(factories))
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {sorted(factories)}")

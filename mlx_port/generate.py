@@ -5,12 +5,17 @@ longest prefix the target agrees with plus the target's own next token, and roll
 prefix. Sampling uses the one-hot rule: the draft proposes its argmax, the target samples every block position, and
 draft tokens are kept while they equal the target's samples, so the output has exactly the target's distribution.
 
+With `tree_budget` (or the draft config's), a round verifies a best-first tree of the draft's top choices instead
+(`tree_dflash.py`, shared with torch): every node sees the cache and its ancestors at the position of its depth,
+the walk follows the children holding the target's choices, and the cache keeps the accepted path only.
+
     python -m mlx_port generate --model TARGET --draft-model draft-mlx --prompt "..." --max-tokens 256 --temp 0.0
 """
 
 import argparse
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional, Union
 
@@ -22,6 +27,7 @@ from mlx_lm.sample_utils import greedy_sampler, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from configuration_dflash import check_fits_target, first_stop
+from tree_dflash import DraftTree, best_first, config_tree, prompt_lookup
 
 from .model import Model
 
@@ -195,6 +201,105 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, list[int], mx.
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Draft trees: the nodes, their mask and positions, and the cache afterwards.
+
+
+def tree_problem(model: nn.Module) -> Optional[str]:
+    """Why the target cannot verify a tree, if it cannot: each layer's attention must place a node by its `rope`."""
+    for i, layer in enumerate(decoder_layers(model)):
+        if not callable(getattr(getattr(layer, "self_attn", None), "rope", None)):
+            return f"layer {i} of {type(model).__name__} has no self_attn.rope to place tree nodes at their depths"
+    return None
+
+
+def resolve_tree_settings(
+    draft: Model, model: nn.Module, recurrent: bool, tree_budget: Optional[int], lookup: Optional[int]
+) -> tuple[Optional[int], int]:
+    """The round's tree budget (None: the chain) and lookup branch length (0: none). None follows the draft's
+    config by torch's rule (`config_tree`), stepping aside with a warning where the target cannot verify a tree;
+    an explicit setting the target cannot take is refused."""
+    settings = []
+    for name, asked in (("tree_budget", tree_budget), ("prompt_lookup_num_tokens", lookup)):
+        if asked is None:
+            nodes = config_tree(
+                draft.args.dflash_config.get(name), adaptive=False, selector=draft.has_selector, recurrent=recurrent
+            )
+            if nodes and (problem := tree_problem(model)):
+                warnings.warn(f"verifying the argmax chain instead of the draft config's {name}={nodes}: {problem}")
+                nodes = None
+            settings.append(nodes)
+            continue
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+            raise ValueError(f"{name} must be a non-negative integer (0: none), got {asked!r}")
+        reason = (
+            "a DFlash 2 draft's selector walks one chain" if draft.has_selector
+            else "the target's recurrent state (ArraysCache) follows one path" if recurrent
+            else tree_problem(model)
+        )
+        if asked and reason:
+            raise ValueError(f"{name}={asked} needs a tree verify, but {reason}; use the chain ({name}=0)")
+        settings.append(asked or None)
+    return settings[0], settings[1] or 0
+
+
+def best_first_tree(logits: mx.array, budget: int) -> DraftTree:
+    """`tree_dflash.best_first` over the draft's top `budget` choices at each block position (`[depth, vocab]`)."""
+    log_probs = logits.astype(mx.float32)
+    log_probs = log_probs - mx.logsumexp(log_probs, axis=-1, keepdims=True)
+    width = min(budget, log_probs.shape[-1])
+    top = mx.argpartition(-log_probs, kth=width - 1, axis=-1)[:, :width]
+    order = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(log_probs, top, axis=-1), axis=-1), axis=-1)
+    return best_first(mx.take_along_axis(log_probs, order, axis=-1).tolist(), order.tolist(), budget)
+
+
+class NodePositions(nn.Module):
+    """Stands in for an attention layer's RoPE during a tree verify: each node at its own position (the root's plus
+    its depth) instead of the cache offset plus its index."""
+
+    def __init__(self, rope: Callable, positions: mx.array):
+        super().__init__()
+        self.rope, self.positions = rope, positions
+
+    def __call__(self, x: mx.array, offset: Any = None) -> mx.array:
+        # each node as its own batch row: mx.fast.rope takes one offset per row
+        return self.rope(x.transpose(2, 1, 0, 3), offset=self.positions).transpose(2, 1, 0, 3)
+
+
+@contextlib.contextmanager
+def tree_attention(model: nn.Module, cache: list, tree: DraftTree, start: int) -> Iterator[None]:
+    """While open, a target call over `[root, tree nodes]` verifies the tree: every cache hands the layers the
+    ancestor mask (over the `start` cached tokens and the tree) and every layer's RoPE places nodes by depth."""
+    mask = mx.concatenate([mx.ones((len(tree.tokens) + 1, start), dtype=mx.bool_), mx.array(tree.ancestor_rows())], 1)
+    positions = mx.array(tree.positions(start))
+    attentions = [layer.self_attn for layer in decoder_layers(model)]
+    ropes = [attention.rope for attention in attentions]
+    try:
+        for c in cache:
+            c.make_mask = lambda *args, **kwargs: mask
+        for attention, rope in zip(attentions, ropes):
+            attention.rope = NodePositions(rope, positions)
+        yield
+    finally:
+        for c in cache:
+            c.__dict__.pop("make_mask", None)
+        for attention, rope in zip(attentions, ropes):
+            attention.rope = rope
+
+
+def keep_path(cache: list, start: int, path: list[int], size: int) -> None:
+    """Moves the accepted path's keys and values (node indices from the root) to the front of the tree's `size`
+    slots and drops the rest, so the cache holds the committed sequence only."""
+    if path != list(range(len(path))):
+        index = mx.array([start + node for node in path])
+        for c in cache:
+            for arrays in (c.keys, c.values):
+                for a in arrays if isinstance(arrays, tuple) else (arrays,):  # a quantized cache holds three
+                    a[..., start : start + len(path), :] = a[..., index, :]
+    for c in cache:
+        c.trim(size - len(path))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The loop.
 
 
@@ -207,6 +312,9 @@ def dflash_generate_step(
     sampler: Optional[Sampler] = None,
     sliding_window_size: Optional[int] = None,
     prefill_step_size: int = 2048,
+    tree_budget: Optional[int] = None,
+    prompt_lookup_num_tokens: Optional[int] = None,
+    max_matching_ngram_size: int = 2,
 ) -> Generator[tuple[list[int], int], None, None]:
     """Yields `(tokens, accepted)` per round without end: first the prefill's token, then each verified block.
 
@@ -218,12 +326,20 @@ def dflash_generate_step(
         sampler: maps `[n, vocab]` log-probabilities to `[n]` tokens; greedy by default.
         sliding_window_size: bounds the draft's context cache; defaults to the value given to `load_draft`.
         prefill_step_size: prompt tokens per prefill pass.
+        tree_budget: verify a best-first tree of this many drafted nodes (depth at most `block_size - 1`) instead of
+            the argmax chain; 0: the chain; None: the draft config's, as torch (the chain for a DFlash 2 draft or a
+            recurrent target).
+        prompt_lookup_num_tokens, max_matching_ngram_size: also verify, as one more branch of the tree, up to this
+            many tokens that followed an earlier occurrence of the last n committed tokens (transformers'
+            prompt-lookup rule); None: the draft config's.
     """
     block_size = block_size or draft.args.block_size
     check_generation_inputs(prompt, block_size)
     check_draft_fits_target(draft, model)
     cache = make_prompt_cache(model)
     is_hybrid = check_target_cache(cache)
+    budget, lookup = resolve_tree_settings(draft, model, is_hybrid, tree_budget, prompt_lookup_num_tokens)
+    history = prompt.tolist()  # what the lookup branch searches
     draft_cache = draft.make_cache(sliding_window_size)
     sampler = sampler or greedy_sampler
     layer_ids, head = draft.target_layer_ids, draft_head(draft, target_head(model))
@@ -244,11 +360,27 @@ def dflash_generate_step(
         features.append(context_features(outputs, layer_ids))
         return sample(logits[0, -1:]), mx.concatenate(features, axis=1)
 
-    def draft_block(last: int, context: mx.array) -> mx.array:
+    def draft_block(last: int, context: mx.array) -> Union[mx.array, DraftTree]:
+        """The round's draft: the chain's tokens, or the tree to verify."""
         hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)[:, 1:]
         if draft.has_selector:  # DFlash 2: a walk over the head's top-k, with the call's sampler (greedy at 0)
             return draft.candidate_selector.walk(head(hidden), hidden, mx.array([last]), sample)[0]
-        return mx.argmax(head(hidden), axis=-1)[0]
+        if budget is None and not lookup:
+            return mx.argmax(head(hidden), axis=-1)[0]
+        tree = best_first_tree(head(hidden)[0], budget) if budget else DraftTree.chain(
+            mx.argmax(head(hidden), axis=-1)[0].tolist()
+        )
+        return tree.with_branch(prompt_lookup(history, lookup, max_matching_ngram_size)) if lookup else tree
+
+    def verify_tree(last: int, tree: DraftTree) -> tuple[list[int], mx.array]:
+        """The tokens the tree's accepted path commits, and that path's target features."""
+        start, size = cache[0].offset, len(tree.tokens) + 1
+        with tree_attention(model, cache, tree, start):
+            chosen = sample(model(mx.array([[last] + tree.tokens]), cache=cache)[0]).tolist()
+        path = tree.accept(chosen)
+        features = context_features(outputs, layer_ids)[:, mx.array(path)]
+        keep_path(cache, start, path, size)
+        return [tree.node_token(node) for node in path[1:]] + [chosen[path[-1]]], features
 
     def rewind(num_rejected: int, states: Optional[list], kept: mx.array) -> None:
         if num_rejected == 0:
@@ -267,9 +399,16 @@ def dflash_generate_step(
     with mx.stream(generation_stream), capture_layer_outputs(model, layer_ids) as outputs:
         token, context = prefill(outputs)
         last = token.item()
+        history.append(last)
         yield [last], 0
         while True:
             drafted = draft_block(last, context)
+            if isinstance(drafted, DraftTree):
+                new_tokens, context = verify_tree(last, drafted)
+                last = new_tokens[-1]
+                history.extend(new_tokens)
+                yield new_tokens, len(new_tokens) - 1
+                continue
             # verify: the target scores `[last, d_1 .. d_{B-1}]`; `last` is not yet in its cache
             verify = mx.concatenate([mx.array([last], dtype=drafted.dtype), drafted])
             states = snapshot_states(cache) if is_hybrid else None
@@ -281,6 +420,7 @@ def dflash_generate_step(
             rewind(block_size - accepted - 1, states, verify[: accepted + 1])
             new_tokens = proposed[:accepted] + [target_tokens[accepted]]
             last = new_tokens[-1]
+            history.extend(new_tokens)
             yield new_tokens, accepted
 
 
@@ -296,12 +436,17 @@ def stream_generate(
     sampler: Optional[Sampler] = None,
     sliding_window_size: Optional[int] = None,
     prefill_step_size: int = 2048,
+    tree_budget: Optional[int] = None,
+    prompt_lookup_num_tokens: Optional[int] = None,
+    max_matching_ngram_size: int = 2,
 ) -> Generator[GenerationResponse, None, None]:
     """Generates with `model`, drafting blocks with `draft`; like mlx_lm's `stream_generate`, one response per round.
 
     Output equals the target's own decoding: identical tokens at `temperature=0`, the same distribution above it.
     `sampler` (mlx-lm's `make_sampler`) overrides `temperature`. Generation ends at the first of the tokenizer's
-    `eos_token_ids`, even inside a block, or after exactly `max_tokens` tokens.
+    `eos_token_ids`, even inside a block, or after exactly `max_tokens` tokens. `tree_budget` and
+    `prompt_lookup_num_tokens` (None: the draft config's, as in torch; 0: off) verify a draft tree and a lookup
+    branch instead of the chain (`dflash_generate_step`).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -317,6 +462,9 @@ def stream_generate(
         sampler=sampler or make_sampler(temperature),
         sliding_window_size=sliding_window_size,
         prefill_step_size=prefill_step_size,
+        tree_budget=tree_budget,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        max_matching_ngram_size=max_matching_ngram_size,
     )
     detokenizer, stops, num_tokens = tokenizer.detokenizer, tokenizer.eos_token_ids, 0
     with wired_limit(model, [generation_stream]):
@@ -390,6 +538,14 @@ def configure_parser() -> argparse.ArgumentParser:
         help=f"Tokens per draft block (default: the draft's; with a quantized target or draft at most "
              f"{QUANTIZED_BLOCK_SIZE}, the MLX DFlash ports' advice from their measurements, which put the best block for quantized models at about 4-5).",
     )
+    parser.add_argument(
+        "--tree-budget", type=int, default=None,
+        help="Drafted nodes of a best-first tree verified each round (0: the argmax chain; default: the draft's).",
+    )
+    parser.add_argument(
+        "--prompt-lookup-num-tokens", type=int, default=None,
+        help="Tokens of a prompt-lookup branch verified each round (0: none; default: the draft's config).",
+    )
     parser.add_argument("--sliding-window-size", type=int, default=None, help="Bound on the draft's context cache.")
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--ignore-chat-template", action="store_true", help="Use the prompt as it is.")
@@ -412,7 +568,8 @@ def main() -> None:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     block_size = args.block_size or default_block_size(model, draft)
     sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
-    kwargs = dict(block_size=block_size, max_tokens=args.max_tokens, sampler=sampler)
+    kwargs = dict(block_size=block_size, max_tokens=args.max_tokens, sampler=sampler, tree_budget=args.tree_budget,
+                  prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)
     responses = []
     for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         print(r.text, end="", flush=True)

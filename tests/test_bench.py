@@ -11,6 +11,7 @@ from bench import methods, report
 from bench.datasets import EXPECTED_COUNTS, load_prompts
 from bench.harness import first_difference, truncate
 from bench.methods import Generation, TargetTracer
+from bench.mlx_methods import MLX_METHODS
 from bench.run import main
 from conftest import ROOT, VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
 
@@ -187,14 +188,22 @@ def test_user_jsonl_and_bad_names(prompts_file, tmp_path):
         load_prompts(str(bad))
 
 
-def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path):
+def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path, monkeypatch, capsys):
     pytest.importorskip("mlx.core")
-    pytest.importorskip("mlx_port")
-    status = main(bench_args(model_dirs, prompts_file, tmp_path, "--backend", "mlx", "--block-size", "4"))
+    port = pytest.importorskip("mlx_port")
+    calls = []
+    stream = port.stream_generate
+    monkeypatch.setattr(port, "stream_generate", lambda *args, **kwargs: calls.append(kwargs) or stream(*args, **kwargs))
+    status = main(bench_args(model_dirs, prompts_file, tmp_path, "--backend", "mlx", "--block-size", "4",
+                             "--tree-budget", "2,3"))
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {r["method"]: r for r in result["summary"]}
-    assert status == 0 and set(rows) == {"mlx-plain", "mlx-dflash"}, result["skipped"]
-    assert rows["mlx-dflash"]["mismatches"] == 0 and rows["mlx-plain"]["mean_acceptance_length"] == 1.0
+    methods = {"mlx-dflash", "mlx-dflash-chain", "mlx-dflash-tree2", "mlx-dflash-tree3"}
+    assert status == 0 and set(rows) == {"mlx-plain"} | methods, result["skipped"]
+    assert all(rows[m]["mismatches"] == 0 for m in methods) and rows["mlx-plain"]["mean_acceptance_length"] == 1.0
+    trees = {(c.get("tree_budget"), c.get("prompt_lookup_num_tokens")) for c in calls}
+    assert trees == {(None, None), (0, 0), (2, 0), (3, 0)}  # None: the draft config's
+    assert "tok/pass" in capsys.readouterr().out
 
 
 def test_batch_sizes_measure_batched_dflash_against_plain_batches(model_dirs, prompts_file, tmp_path):
@@ -263,7 +272,7 @@ def test_sampled_outputs_say_so_in_the_differ_column(model_dirs, prompts_file, t
 
 def test_readme_lists_every_method():
     readme = (ROOT / "README.md").read_text()
-    assert all(f"`{name}`" in readme for name in [*methods.TORCH_METHODS, "mlx-plain", "mlx-dflash"])
+    assert all(f"`{name}`" in readme for name in [*methods.TORCH_METHODS, *MLX_METHODS])
 
 
 def test_help_lists_the_methods_and_defaults(capsys):

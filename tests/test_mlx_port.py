@@ -5,6 +5,7 @@ Targets and drafts are tiny fp32 models (MLX matmul is slow on this CPU). The ll
 torch models of conftest.py, saved and loaded through mlx-lm, so torch and MLX hold the same weights.
 """
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from conftest import (  # noqa: E402
     ROOT,
     VOCAB,
     OracleDraft,
+    SecondChoiceDraft,
     chi_square_p_value,
     make_draft,
     make_draft_config,
@@ -127,11 +129,13 @@ def run(model, draft, prompt, **kwargs) -> tuple[list[int], list[int]]:
 
 
 class MlxOracleDraft(Model):
-    """The MLX twin of conftest's OracleDraft: right for exactly `k` tokens per block, then wrong tokens.
+    """The MLX twin of conftest's OracleDraft, with its rule: right for exactly `k` tokens per block, then wrong.
 
     It runs the real draft layers (so the context cache is exercised), then returns hidden states that the target's
-    square head maps to one-hot logits of the chosen tokens.
+    square head maps to the torch oracle's logits at each block position.
     """
+
+    right_token, logits_at = OracleDraft.right_token, OracleDraft.logits_at  # one rule for both frameworks
 
     def setup(self, target, reference: list[int], k: int) -> "MlxOracleDraft":
         head = np.array(target_head(target).weight, dtype=np.float64)
@@ -144,17 +148,19 @@ class MlxOracleDraft(Model):
         block, start = noise_embeds.shape[1], cache[0].offset  # the cache holds every committed token before the block
         self.calls.append((target_hidden.shape[1], start))
         self.cache_sizes.append(cache[0].keys_and_values()[0].shape[2])
-        tokens = [self.token_at(start + i, i) for i in range(block)]
-        return (mx.eye(VOCAB)[mx.array(tokens)] * 50.0 @ self.head_pinv)[None]
-
-    def token_at(self, position: int, offset: int) -> int:
-        right = self.reference[position] if position < len(self.reference) else 3
-        return right if offset <= self.k else (right + 1) % (VOCAB - 1)
+        logits = torch.stack([self.logits_at(start + i, i) for i in range(block)]).numpy()
+        return (mx.array(logits) @ self.head_pinv)[None]
 
 
-def oracle(draft_dir: Path, target, reference: list[int], k: int, **load_kwargs) -> MlxOracleDraft:
+class MlxSecondChoiceDraft(MlxOracleDraft):
+    """The MLX twin of conftest's SecondChoiceDraft: a chain accepts `k` drafted tokens a round, a tree `k + 1`."""
+
+    logits_at = SecondChoiceDraft.logits_at
+
+
+def oracle(draft_dir: Path, target, reference: list[int], k: int, kind=MlxOracleDraft, **load_kwargs) -> MlxOracleDraft:
     model = load_draft(str(draft_dir), **load_kwargs)
-    oracle_draft = MlxOracleDraft(model.args)
+    oracle_draft = kind(model.args)
     oracle_draft.update(model.parameters())
     oracle_draft.sliding_window_size = model.sliding_window_size
     return oracle_draft.setup(target, reference, k)
@@ -322,7 +328,8 @@ def exact_two_token_distribution(model, prompt: list[int], temperature: float) -
     return np.array(p1[:, None] * p2, dtype=np.float64)
 
 
-def test_sampling_matches_target_distribution(work, draft_dir):
+@pytest.mark.parametrize("tree_budget", [0, 4])
+def test_sampling_matches_target_distribution(work, draft_dir, tree_budget):
     """Chi-square test of the first two sampled tokens against the exact target distribution.
 
     The draft proposes the target's greedy tokens, so blocks are often accepted; a verifier that kept draft tokens
@@ -336,7 +343,8 @@ def test_sampling_matches_target_distribution(work, draft_dir):
     tokenizer, counts, accepted = wrap(), np.zeros(VOCAB * VOCAB), 0
     mx.random.seed(0)
     for _ in range(n):
-        responses = list(stream_generate(model, oracle_draft, tokenizer, PROMPT, max_tokens=2, temperature=temperature, block_size=4))
+        responses = list(stream_generate(model, oracle_draft, tokenizer, PROMPT, max_tokens=2, temperature=temperature,
+                                         block_size=4, tree_budget=tree_budget))
         t1, t2 = [t for r in responses for t in r.tokens]
         counts[t1 * VOCAB + t2] += 1
         accepted += responses[1].accepted > 0
@@ -445,6 +453,126 @@ def test_oracle_acceptance_matches_torch(target_dir, target, draft_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Draft trees.
+
+REPEATING = list(range(10, 30)) + list(range(10, 20))  # the lookup branch finds its continuation
+
+
+@pytest.mark.parametrize("budget, lookup", [(1, 0), (4, 0), (16, 0), (4, 5), (0, 5)])
+def test_tree_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, draft, budget, lookup):
+    """The same draft and target: the MLX tree (and lookup branch) verify gives torch's tokens and acceptance
+    lengths, and mlx-lm's greedy output."""
+    from transformers import AutoModelForCausalLM
+
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    torch_draft = DFlashDraftModel.from_pretrained(draft_dir).eval()
+    for prompt in (PROMPT, REPEATING):
+        stats = torch_draft.spec_generate(torch_target, torch.tensor([prompt]), max_new_tokens=30, block_size=8,
+                                          tree_budget=budget, prompt_lookup_num_tokens=lookup, return_stats=True)
+        tokens, taus = run(target, draft, prompt, block_size=8, max_tokens=30, tree_budget=budget,
+                           prompt_lookup_num_tokens=lookup)
+        assert tokens == stats.output_ids[0, len(prompt) :].tolist() == mlx_greedy(target, prompt, 30), f"{prompt}"
+        assert taus == stats.acceptance_lengths, f"prompt {prompt}"
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16])
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_oracle_trees_are_exact_and_trees_of_16_commit_more_per_target_pass(target_dir, target, draft_dir, k, budget):
+    """A draft whose first choice is right for k tokens and whose second choice is right after them: at every
+    budget the MLX tree gives the torch reference's tokens and acceptance; the chain accepts k drafted tokens a
+    round and a tree of 16 nodes k + 1."""
+    from transformers import AutoModelForCausalLM
+
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    reference = PROMPT + mlx_greedy(target, PROMPT, 48)
+    second_choice = oracle(draft_dir, target, reference, k, kind=MlxSecondChoiceDraft)
+    chain, chain_taus = run(target, second_choice, PROMPT, block_size=8, max_tokens=30, tree_budget=0)
+    tree, tree_taus = run(target, second_choice, PROMPT, block_size=8, max_tokens=30, tree_budget=budget)
+    torch_oracle = SecondChoiceDraft(make_draft_config()).eval().setup(torch_target, torch.tensor([reference]), k)
+    stats = torch_oracle.spec_generate(torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=8,
+                                       tree_budget=budget, return_stats=True)
+    assert tree == chain == reference[3:33] == stats.output_ids[0, 3:].tolist()
+    assert tree_taus == stats.acceptance_lengths
+    assert chain_taus[:-1] == [k + 1] * (len(chain_taus) - 1)
+    if budget < 16:
+        return
+    assert tree_taus[:-1] == [k + 2] * (len(tree_taus) - 1)
+    per_pass = lambda taus: sum(taus[:-1]) / len(taus[:-1])  # noqa: E731  (the last round is cut by max_tokens)
+    assert per_pass(tree_taus) >= 1.10 * per_pass(chain_taus), f"tree {tree_taus} chain {chain_taus}"
+
+
+def test_a_config_tree_is_followed_without_an_argument_as_in_torch(target_dir, target, draft_dir, work):
+    from transformers import AutoModelForCausalLM
+
+    folder = edit_config(draft_dir, work / "draft-tree",
+                         lambda c: c["dflash_config"].update(tree_budget=4, prompt_lookup_num_tokens=5))
+    configured = load_draft(str(folder))
+    default = run(target, configured, REPEATING, block_size=8, max_tokens=30)
+    explicit = run(target, configured, REPEATING, block_size=8, max_tokens=30, tree_budget=4, prompt_lookup_num_tokens=5)
+    chain = run(target, configured, REPEATING, block_size=8, max_tokens=30, tree_budget=0, prompt_lookup_num_tokens=0)
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    stats = DFlashDraftModel.from_pretrained(folder).eval().spec_generate(
+        torch_target, torch.tensor([REPEATING]), max_new_tokens=30, block_size=8, return_stats=True
+    )
+    assert default == explicit and default[1] == stats.acceptance_lengths
+    assert default[0] == chain[0] and default[1] != chain[1], "the tree and lookup branch changed acceptance"
+
+
+def test_a_tree_the_target_cannot_verify_is_refused_or_stepped_aside(target_dir, target, draft_dir, work, monkeypatch):
+    """An explicit tree is refused before compute, with the reason; the config's tree yields to the chain with a
+    warning."""
+
+    generation = importlib.import_module("mlx_port.generate")  # the package's `generate` is the function
+
+    broken = load_model(target_dir)[0]
+    broken.model.layers[1].self_attn.rope = None
+    with pytest.raises(ValueError, match="tree_budget=4 needs a tree verify, but layer 1 .* has no self_attn.rope"):
+        run(broken, load_draft(str(draft_dir)), PROMPT, max_tokens=4, tree_budget=4)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="must be a non-negative integer"):
+            run(target, load_draft(str(draft_dir)), PROMPT, max_tokens=4, tree_budget=bad)
+    folder = edit_config(draft_dir, work / "draft-tree4", lambda c: c["dflash_config"].update(tree_budget=4))
+    monkeypatch.setattr(generation, "tree_problem", lambda model: "no rope here")
+    with pytest.warns(UserWarning, match="argmax chain instead of the draft config's tree_budget=4: no rope here"):
+        tokens, _ = run(target, load_draft(str(folder)), PROMPT, max_tokens=12, block_size=4)
+    assert tokens == mlx_greedy(target, PROMPT, 12)
+
+
+def test_keep_path_compacts_every_cache_kind_to_the_accepted_path():
+    from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
+
+    from mlx_port.generate import keep_path
+
+    start, size, path = 5, 6, [0, 2, 5]
+    values = mx.arange(1 * 2 * (start + size) * 32, dtype=mx.float32).reshape(1, 2, start + size, 32) / 100
+    expected = mx.concatenate([values[..., :start, :], values[..., [start + n for n in path], :]], axis=2)
+    for cache in (KVCache(), ConcatenateKVCache(), QuantizedKVCache(group_size=32, bits=8)):
+        cache.update_and_fetch(values[..., :start, :], values[..., :start, :])
+        cache.update_and_fetch(values[..., start:, :], values[..., start:, :])
+        keep_path([cache], start, path, size)
+        keys, _ = cache.state if isinstance(cache, ConcatenateKVCache) else (cache.keys, cache.values)
+        if isinstance(cache, QuantizedKVCache):
+            keys = mx.dequantize(*keys, group_size=32, bits=8)
+        got = keys[..., : cache.offset, :]
+        assert cache.offset == start + len(path), type(cache).__name__
+        assert float(mx.abs(got - expected).max()) < 0.02, type(cache).__name__  # 8-bit keys round
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_target_and_draft_trees_equal_their_chain(target_dir, draft_dir, work, bits):
+    import mlx.nn as nn
+
+    model = load_model(target_dir)[0]
+    nn.quantize(model, group_size=32, bits=bits)
+    quantized = load_draft(str(convert(str(draft_dir), str(work / f"tree-q{bits}"), quantize=True, q_bits=bits,
+                                       q_group_size=32)))
+    chain, _ = run(model, quantized, PROMPT, block_size=8, max_tokens=30, tree_budget=0)
+    assert chain == mlx_greedy(model, PROMPT, 30)
+    for budget in (4, 16):
+        assert run(model, quantized, PROMPT, block_size=8, max_tokens=30, tree_budget=budget)[0] == chain
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Hybrid targets.
 
 
@@ -481,6 +609,16 @@ def test_hybrid_target_rolls_back_its_recurrent_state(work, block_size, ks):
         assert tokens == reference[3:33], f"k={k}"
         assert taus[:-1] == [k + 1] * (len(taus) - 1), f"k={k}: {taus}"
     assert run(model, load_draft(str(folder)), PROMPT, block_size=block_size, max_tokens=30)[0] == reference[3:33]
+
+
+def test_hybrid_targets_keep_the_chain(work):
+    """A config's tree yields to the chain on a recurrent target, as in torch; an explicit tree is refused."""
+    model = make_qwen3_5()
+    folder = edit_config(hybrid_draft(work, "hybrid-draft"), work / "hybrid-tree",
+                         lambda c: c["dflash_config"].update(tree_budget=4, prompt_lookup_num_tokens=5))
+    assert run(model, load_draft(str(folder)), PROMPT, block_size=4, max_tokens=12)[0] == mlx_greedy(model, PROMPT, 12)
+    with pytest.raises(ValueError, match="tree_budget=4 needs a tree verify, but the target's recurrent state"):
+        run(model, load_draft(str(folder)), PROMPT, max_tokens=4, tree_budget=4)
 
 
 def test_unsupported_target_cache_is_refused(target, draft, monkeypatch):
@@ -578,12 +716,13 @@ def test_accepted_length():
 
 
 def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work):
-    """`python -m mlx_port convert -q` then `python -m mlx_port generate`, run as `__main__` in one subprocess (one
-    import of mlx-lm), print what mlx-lm's own greedy decoding makes, with no runpy warning."""
+    """`python -m mlx_port convert -q` then `python -m mlx_port generate` (a tree of 3 and a lookup branch), run as
+    `__main__` in one subprocess (one import of mlx-lm), print what mlx-lm's own greedy decoding makes, with no runpy
+    warning."""
     out = work / "cli-draft"
     convert_argv = ["--hf-path", str(draft_dir), "--mlx-path", str(out), "-q", "--q-bits", "8", "--q-group-size", "32"]
     generate_argv = ["--model", str(target_dir), "--draft-model", str(out), "--prompt", "w5 w6 w7", "--max-tokens", "12"]
-    generate_argv += ["--temp", "0", "--block-size", "4", "--compare"]
+    generate_argv += ["--temp", "0", "--block-size", "4", "--compare", "--tree-budget", "3", "--prompt-lookup-num-tokens", "2"]
     script = (
         "import runpy, sys\n"
         f"sys.argv = ['mlx_port', 'convert'] + {convert_argv!r}\n"
@@ -777,6 +916,35 @@ def test_real_default_target_mlx_greedy_equals_torch(tmp_path):
         assert mlx_greedy(port, prompt, 8) == expected, text
         differs += mlx_greedy(misread, prompt, 8) != expected
     assert differs, "the misread base must change the output, or this test proves nothing"
+
+
+@pytest.mark.slow
+def test_real_default_target_and_shipped_draft_decode_chat_prompts_exactly_through_the_config_tree(monkeypatch):
+    """The shipped draft, raw from the repo root, on the real default target with chat prompts and no tree argument:
+    the config's tree and lookup branch verify every round, and the text, ending at the EOS or the limit, is mlx-lm's
+    own greedy text."""
+    import mlx_lm
+
+    import mlx_port
+    from default_target import default_target_path
+
+    generation = importlib.import_module("mlx_port.generate")
+    model, tokenizer = mlx_port.load(str(default_target_path()))
+    draft = load_draft(str(ROOT))
+    trees = []
+    verify = generation.tree_attention
+    monkeypatch.setattr(generation, "tree_attention", lambda *args: trees.append(args[2]) or verify(*args))
+    rounds, endings = 0, set()
+    for text in ["Name three colours.", "What is 12 times 7? Answer with the number.", "Write a haiku about rain."]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        expected = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=48))
+        responses = list(mlx_port.stream_generate(model, draft, tokenizer, prompt, max_tokens=48))
+        assert [t for r in responses for t in r.tokens] == [r.token for r in expected], text
+        assert "".join(r.text for r in responses) == "".join(r.text for r in expected), text
+        assert responses[-1].finish_reason == expected[-1].finish_reason, text
+        rounds, endings = rounds + len(responses) - 1, endings | {responses[-1].finish_reason}
+    assert len(trees) == rounds and max(len(tree.tokens) for tree in trees) > 4, "the tree of 4 + lookup never ran"
+    assert endings == {"stop", "length"}, "the prompts must end both at the EOS and at the limit"
 
 
 def test_mlx_draft_reads_rope_base_from_transformers5_config(tmp_path):
