@@ -101,9 +101,9 @@ def test_some_answer_ends_with_eos_inside_the_budget(models, prompts):
     assert out[0, -1] == tokenizer.eos_token_id and out.shape[1] - prompts["math"].shape[1] < MAX_NEW
 
 
-# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.70 (stage 7, tree of 4 + lookup branch of 7;
-# stage 6: 1.65): raise it with a better draft
-TAU_FLOOR = 1.65
+# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.73 (stage 8, tree of 4 + lookup branch of 7;
+# stage 7: 1.70, stage 6: 1.65): raise it with a better draft
+TAU_FLOOR = 1.70
 
 
 def test_the_shipped_draft_keeps_its_acceptance(models, prompts):
