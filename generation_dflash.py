@@ -346,6 +346,40 @@ def draft_embedding(draft, target) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda ids: torch.nn.functional.embedding(ids, embed.weight) * scale
 
 
+def is_int8(draft) -> bool:
+    """Whether the draft's linear layers hold int8 weights (`torch.ao.quantization.quantize_dynamic`)."""
+    return any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in draft.modules())
+
+
+def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` (float32, on the CPU) with its linear layers dynamically quantized in place: int8 weights, float32
+    activations."""
+    with warnings.catch_warnings():
+        # torchao, where the deprecation points, runs eager int8 2-3x slower than this on a CPU
+        warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
+        warnings.filterwarnings("ignore", message="torch.quantize_per_tensor")
+        return torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, torch.qint8, inplace=True)
+
+
+def rows(weight: torch.Tensor | None, vocab: torch.Tensor | None) -> torch.Tensor | None:
+    return weight if weight is None or vocab is None else weight[vocab]
+
+
+def int8_head(draft, lm_head, vocab: list[int] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An int8 copy of `lm_head`'s rows in the draft's vocabulary, taking and giving float32; quantized once per
+    draft, head and vocabulary, not every call."""
+    key = (lm_head.weight, None if vocab is None else tuple(vocab))
+    cached = draft.__dict__.get("_int8_head")
+    if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:
+        index = None if vocab is None else torch.tensor(vocab)
+        weight, bias = rows(lm_head.weight, index), rows(lm_head.bias, index)
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        linear.load_state_dict({"weight": weight.float()} | ({} if bias is None else {"bias": bias.float()}))
+        quantized = quantize_int8(torch.nn.Sequential(linear))
+        cached = draft.__dict__["_int8_head"] = (key, lambda hidden: quantized(hidden.float()))
+    return cached[1]
+
+
 class DraftHead:
     """The target's head as the draft proposes with it: times `output_multiplier`, then soft-capped by
     `final_logit_softcapping` (`tanh(x / c) * c`) where the config sets them; over `config.draft_vocab` only, when the
@@ -360,15 +394,15 @@ class DraftHead:
         self.vocab_size = lm_head.weight.shape[0]
         vocab = getattr(draft.config, "draft_vocab", None)
         self.vocab = None if vocab is None else torch.tensor(vocab, device=lm_head.weight.device)
-        self.weight, self.bias = lm_head.weight, lm_head.bias
-        if self.vocab is not None:
-            self.weight = self.weight[self.vocab]
-            self.bias = None if self.bias is None else self.bias[self.vocab]
+        if is_int8(draft):  # the draft's own layers are int8: so is its copy of the head's rows
+            self.linear = int8_head(draft, lm_head, vocab)
+        else:
+            weight, bias = rows(lm_head.weight, self.vocab), rows(lm_head.bias, self.vocab)
+            self.linear = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         # 2D: a sliced block fails matmul's fold check, and its bmm would copy the whole head weight every call
-        logits = torch.nn.functional.linear(hidden.flatten(0, -2), self.weight, self.bias)
-        logits = logits.unflatten(0, hidden.shape[:-1])
+        logits = self.linear(hidden.flatten(0, -2)).unflatten(0, hidden.shape[:-1])
         if self.multiplier is not None:
             logits = logits * self.multiplier
         if self.cap:

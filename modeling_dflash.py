@@ -1,5 +1,6 @@
 """DFlash block-diffusion draft: Qwen3-style layers whose keys and values also see projected target hidden states."""
 
+import copy
 import dataclasses
 from typing import Callable
 
@@ -19,6 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 try:
     from .configuration_dflash import DFlashConfig, dflash2_settings
     from .generation_dflash import refuse_generate as _refuse_generate
+    from .generation_dflash import quantize_int8 as _quantize_int8
     from .generation_dflash import spec_generate as _spec_generate
     from .batch_dflash import batched_spec_generate as _batched_loop
     from .routing_dflash import assisted_generate as _assisted_generate
@@ -28,6 +30,7 @@ try:
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from configuration_dflash import DFlashConfig, dflash2_settings
     from generation_dflash import refuse_generate as _refuse_generate
+    from generation_dflash import quantize_int8 as _quantize_int8
     from generation_dflash import spec_generate as _spec_generate
     from batch_dflash import batched_spec_generate as _batched_loop
     from routing_dflash import assisted_generate as _assisted_generate
@@ -171,9 +174,23 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             self.candidate_selector = CandidateSelector(config)
         self.post_init()
 
+    def int8_copy(self) -> "DFlashDraftModel":
+        """A copy whose linear layers hold int8 weights and run float32 activations (PyTorch's dynamic quantization),
+        for CPUs, where the draft's pass is bound by reading its weights: it reads half the bfloat16 bytes. It drafts
+        for a target of any dtype, with the head's rows in int8 too (`DraftHead`); the target still verifies every
+        token, so output stays exact."""
+        if self.device.type != "cpu":
+            raise ValueError(f"int8_copy() quantizes for CPUs (fbgemm); the draft is on {self.device}")
+        return _quantize_int8(copy.deepcopy(self).float())
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        # read off a norm: linear layers may hold int8 weights (`torch.ao.quantization.quantize_dynamic`)
+        return self.norm.weight.dtype
+
     def project_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """`[batch, ctx, len(target_layer_ids) * hidden]` target features -> `[batch, ctx, hidden]`."""
-        return self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(context_hidden_states.to(self.compute_dtype)))
 
     def forward(
         self,
@@ -200,7 +217,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = DynamicCache()
-        hidden_states = noise_embeds.to(self.fc.weight.dtype)
+        hidden_states = noise_embeds.to(self.compute_dtype)
         context = self.project_context(context_hidden_states)
         if position_ids is None:
             start = cache.get_seq_length() if cache is not None else 0

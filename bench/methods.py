@@ -9,7 +9,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -210,6 +210,14 @@ def spec_generate_confident(ctx: Context, block_size: int | None, tree_min_prob:
     return spec_generate(ctx, block_size, tree_budget=budget, prompt_lookup_num_tokens=0, tree_min_prob=tree_min_prob)
 
 
+def spec_generate_int8(ctx: Context, block_size: int | None) -> Run:
+    """`spec_generate` at the config's defaults with the draft's int8 copy (`draft.int8_copy()`, CPU only)."""
+    require_draft(ctx)
+    if torch.device(ctx.device).type != "cpu":
+        raise Unavailable(f"int8_copy() quantizes for CPUs; this run is on {ctx.device}")
+    return spec_generate(replace(ctx, draft=ctx.draft.int8_copy()), block_size)
+
+
 def prompt_lookup(ctx: Context, block_size: int | None) -> Run:
     """transformers' prompt-lookup decoding, proposing `block_size - 1` tokens like a DFlash block."""
     return hf_generate(ctx, prompt_lookup_num_tokens=max(block_size - 1, 1))
@@ -226,6 +234,7 @@ TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "spec-generate-compiled": functools.partial(spec_generate, compile_verify=True),  # compiled in the warm-up
     "spec-generate-lookup": spec_generate_lookup,
     "spec-generate-confident": spec_generate_confident,
+    "spec-generate-int8": spec_generate_int8,
     "assisted": assisted,
     "assisted-sample": assisted_sample,
     "hf-dflash": hf_dflash,

@@ -8,6 +8,7 @@ the draft's distributions), `lookup` (finding the prompt-lookup branch), `verify
 the walk, features, host transfers, Python).
 
     python -m bench.round_profile [--dtype bfloat16] [--threads 2] [--dataset mt-bench,humaneval,gsm] [--max-samples 4]
+        [--draft-int8]
 """
 
 import argparse
@@ -98,11 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-samples", type=int, default=4, help="prompts per dataset (first turns)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft", default=str(ROOT), help="draft folder (default: this repository's root)")
+    parser.add_argument("--draft-int8", action="store_true", help="profile the draft's int8 copy (`int8_copy()`)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype)
     target, tokenizer = load_default_target(dtype)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype).eval()
+    draft = draft.int8_copy() if args.draft_int8 else draft
     prompts = [encode(tokenizer, [{"role": "user", "content": row["turns"][0]}])
                for name in args.dataset.split(",") for row in load_prompts(name, args.max_samples)]
     draft.spec_generate(target, prompts[0], max_new_tokens=8)  # warm-up

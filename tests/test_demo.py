@@ -31,4 +31,5 @@ def test_a_target_folder_as_the_draft_is_named(tmp_path, capsys):
 
 def test_defaults_are_accepted():
     args = parse_args([])
-    assert args.draft == str(ROOT) and args.max_new_tokens >= 1
+    assert args.draft == str(ROOT) and args.max_new_tokens >= 1 and args.draft_int8
+    assert not parse_args(["--no-draft-int8"]).draft_int8

@@ -115,6 +115,20 @@ def test_the_shipped_draft_keeps_its_acceptance(models, prompts):
     assert sum(lengths) / len(lengths) >= TAU_FLOOR
 
 
+def test_the_int8_copy_decodes_exactly_and_keeps_the_acceptance(models, prompts):
+    """The shipped draft's int8 copy in both routes: plain greedy output, and acceptance above the same floor."""
+    target, tokenizer, draft = models
+    int8, lengths = draft.int8_copy(), []
+    for name, ids in prompts.items():
+        with DraftCalls(int8) as calls:
+            stats = int8.spec_generate(target, ids, max_new_tokens=MAX_NEW, return_stats=True)
+            routed = assisted(target, tokenizer, int8, ids)
+        assert torch.equal(stats.output_ids, plain(target, tokenizer, ids)) and torch.equal(routed, stats.output_ids), name
+        assert calls.count > len(stats.acceptance_lengths), "the int8 draft ran in both routes"
+        lengths += stats.acceptance_lengths
+    assert sum(lengths) / len(lengths) >= TAU_FLOOR
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 @pytest.mark.parametrize("schedule", ["constant", "heuristic"])
 def test_spec_generate_equals_plain(models, prompts, block_size, schedule):
@@ -401,8 +415,10 @@ def run_demo(*args: str) -> str:
 
 
 def test_demo_prints_identical_output_in_float32():
-    out = run_demo("--dtype", "float32")
-    assert out.startswith("dtype float32\n") and "output identical to plain greedy (float32)" in out, out[-2000:]
+    for draft in ("--draft-int8", "--no-draft-int8"):
+        out = run_demo("--dtype", "float32", draft)
+        assert out.startswith("dtype float32\n") and "output identical to plain greedy (float32)" in out, out[-2000:]
+        assert ("float32, int8 draft)" in out) == (draft == "--draft-int8"), out[-2000:]
 
 
 def test_demo_by_default_says_its_dtype_and_explains_any_divergence():
@@ -458,13 +474,16 @@ def bf16_models():
     return target, tokenizer, draft
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-draft", "int8-draft"])
 @pytest.mark.parametrize("route", ["spec_generate", "generate"])
-def test_bfloat16_leaves_plain_greedy_only_at_rounding_ties(bf16_models, prompts, route):
+def test_bfloat16_leaves_plain_greedy_only_at_rounding_ties(bf16_models, prompts, route, int8):
     """In bf16 a pass over several tokens rounds differently from one-token passes, so DFlash may part from plain
-    bf16 greedy where the target's top two logits are within a few ulps (`bench.divergence`), and nowhere else."""
+    bf16 greedy where the target's top two logits are within a few ulps (`bench.divergence`), and nowhere else; the
+    same with the draft's int8 copy, which CPUs run at half the bytes."""
     from bench.divergence import divergence
 
     target, tokenizer, draft = bf16_models
+    draft = draft.int8_copy() if int8 else draft
     for name, ids in prompts.items():
         expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
                                    pad_token_id=tokenizer.eos_token_id)

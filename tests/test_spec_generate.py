@@ -21,7 +21,7 @@ from conftest import (
     make_draft_config,
     make_target,
 )
-from generation_dflash import check_draft_fits_target, DraftHead
+from generation_dflash import check_draft_fits_target, DraftHead, is_int8
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
@@ -259,6 +259,28 @@ def test_draft_head_keeps_the_draft_vocab_only():
     full, limited = target.lm_head(hidden), DraftHead(draft, target.lm_head)(hidden)
     torch.testing.assert_close(limited[..., [3, 9, 40]], full[..., [3, 9, 40]])  # a smaller matmul may round apart
     assert bool(limited[..., [t for t in range(VOCAB) if t not in (3, 9, 40)]].isneginf().all())
+
+
+def test_an_int8_copy_drafts_through_int8_layers_and_head_and_output_stays_exact():
+    target, draft = make_target("qwen3"), make_draft()
+    draft.config.draft_vocab = list(range(2, VOCAB, 2))
+    int8 = draft.int8_copy()
+    assert is_int8(int8) and not is_int8(draft) and int8.compute_dtype == torch.float32  # the original is kept
+    hidden = torch.randn(1, 7, target.config.hidden_size)
+    exact, rounded = DraftHead(draft, target.lm_head).scores(hidden), DraftHead(int8, target.lm_head).scores(hidden)
+    assert 0 < (rounded - exact).norm() / exact.norm() < 0.05, "the head's rows are int8: close, not equal"
+    ids = torch.randint(3, VOCAB - 1, (2, 9), generator=torch.Generator().manual_seed(8))
+    batch = int8.spec_generate(target, ids, max_new_tokens=25, block_size=8, stop_token_ids=[])
+    for row, batched in zip(ids, batch):
+        expected = greedy_reference(target, row[None], 25)
+        assert torch.equal(int8.spec_generate(target, row[None], max_new_tokens=25, block_size=8), expected)
+        routed = target.generate(row[None], assistant_model=int8, max_new_tokens=25, do_sample=False)
+        assert torch.equal(routed, expected) and torch.equal(batched[None], expected)
+    bf16 = make_target("qwen3").to(torch.bfloat16)
+    out = int8.spec_generate(bf16, ids[:1], max_new_tokens=8, return_stats=True)  # drafts for a bf16 target too
+    assert out.output_ids.shape[1] == 9 + 8
+    with pytest.raises(ValueError, match="quantizes for CPUs"):
+        make_draft().to("meta").int8_copy()
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
