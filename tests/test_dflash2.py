@@ -312,3 +312,14 @@ def test_a_tree_is_refused_for_a_dflash2_draft_before_compute():
     with pytest.raises(ValueError, match="DFlash 2 draft's selector chooses each token given the one before"):
         make_dflash2().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=8, tree_budget=4)
     assert not calls
+
+
+def test_an_int8_copy_decodes_exactly():
+    """`int8_copy()` quantizes the convolutions' kernel projections and the selector's hidden projection too."""
+    from generation_dflash import is_int8
+
+    target, draft = make_target("qwen3"), make_dflash2()
+    int8 = draft.int8_copy()
+    assert is_int8(int8.candidate_selector) and is_int8(int8.layers[0].attention_conv)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(int8.spec_generate(target, ids, max_new_tokens=20, block_size=4), greedy_reference(target, ids, 20))

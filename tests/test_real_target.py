@@ -116,9 +116,10 @@ def test_the_shipped_draft_keeps_its_acceptance(models, prompts):
 
 
 def test_the_int8_copy_decodes_exactly_and_keeps_the_acceptance(models, prompts):
-    """The shipped draft's int8 copy in both routes: plain greedy output, and acceptance above the same floor."""
+    """The shipped draft's int8 copy in both routes: plain greedy output, and within 5% of the float32 draft's
+    acceptance on the same prompts (measured 1.70 against 1.73, stage 8)."""
     target, tokenizer, draft = models
-    int8, lengths = draft.int8_copy(), []
+    int8, lengths, exact_lengths = draft.int8_copy(), [], []
     for name, ids in prompts.items():
         with DraftCalls(int8) as calls:
             stats = int8.spec_generate(target, ids, max_new_tokens=MAX_NEW, return_stats=True)
@@ -126,7 +127,9 @@ def test_the_int8_copy_decodes_exactly_and_keeps_the_acceptance(models, prompts)
         assert torch.equal(stats.output_ids, plain(target, tokenizer, ids)) and torch.equal(routed, stats.output_ids), name
         assert calls.count > len(stats.acceptance_lengths), "the int8 draft ran in both routes"
         lengths += stats.acceptance_lengths
-    assert sum(lengths) / len(lengths) >= TAU_FLOOR
+        exact_lengths += draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, return_stats=True).acceptance_lengths
+    tau, exact_tau = sum(lengths) / len(lengths), sum(exact_lengths) / len(exact_lengths)
+    assert tau >= 0.95 * exact_tau, f"int8 {tau:.3f} against float32 {exact_tau:.3f}"
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
