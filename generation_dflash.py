@@ -365,14 +365,12 @@ def rows(weight: torch.Tensor | None, vocab: torch.Tensor | None) -> torch.Tenso
     return weight if weight is None or vocab is None else weight[vocab]
 
 
-def int8_head(draft, lm_head, vocab: list[int] | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An int8 copy of `lm_head`'s rows in the draft's vocabulary, taking and giving float32; quantized once per
-    draft, head and vocabulary, not every call."""
+def int8_head(draft, lm_head, vocab: list[int] | None, weight, bias) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An int8 copy of `weight` and `bias` (`lm_head`'s rows in the draft's vocabulary), taking and giving float32;
+    quantized once per draft, head and vocabulary, not every call."""
     key = (lm_head.weight, None if vocab is None else tuple(vocab))
     cached = draft.__dict__.get("_int8_head")
     if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:
-        index = None if vocab is None else torch.tensor(vocab)
-        weight, bias = rows(lm_head.weight, index), rows(lm_head.bias, index)
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
         linear.load_state_dict({"weight": weight.float()} | ({} if bias is None else {"bias": bias.float()}))
         quantized = quantize_int8(torch.nn.Sequential(linear))
@@ -394,11 +392,10 @@ class DraftHead:
         self.vocab_size = lm_head.weight.shape[0]
         vocab = getattr(draft.config, "draft_vocab", None)
         self.vocab = None if vocab is None else torch.tensor(vocab, device=lm_head.weight.device)
+        weight, bias = rows(lm_head.weight, self.vocab), rows(lm_head.bias, self.vocab)
+        self.linear = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
         if is_int8(draft):  # the draft's own layers are int8: so is its copy of the head's rows
-            self.linear = int8_head(draft, lm_head, vocab)
-        else:
-            weight, bias = rows(lm_head.weight, self.vocab), rows(lm_head.bias, self.vocab)
-            self.linear = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
+            self.linear = int8_head(draft, lm_head, vocab, weight, bias)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         # 2D: a sliced block fails matmul's fold check, and its bmm would copy the whole head weight every call
