@@ -18,6 +18,15 @@ except ImportError:
     LinearAttentionCacheLayerMixin = None
 
 
+def records_recurrent_states() -> bool:
+    """Whether transformers' own cache rolls a linear-attention layer back: it records the recurrent state after each
+    token of a verify pass (`activate_past_recording(recurrent_states_to_keep=)`, 5.25+) and its crop restores one."""
+    if LinearAttentionCacheLayerMixin is None:
+        return False
+    recording = inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    return "recurrent_states_to_keep" in recording
+
+
 def cache_kwarg(model) -> str:
     """The name `model.forward` takes its cache by: `cache` on transformers 5.24+, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -78,18 +87,15 @@ class RollbackCache(DynamicCache):
     def is_croppable(self) -> bool:
         return True
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """A no-op: the states are saved whole before each verify, so they need no recorded past (which would make
-        the linear-attention conv states grow until a crop)."""
-
-    def recurrent_layers(self) -> list:
-        return [layer for layer in self.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        the linear-attention conv states grow until a crop, and the verify compute one state per token)."""
 
     def save(self, verify_ids: torch.Tensor) -> None:
         """Before a verify pass over `verify_ids` (`[1, n]`, all new to the cache)."""
         clone = lambda states: {i: s.clone() for i, s in states.items() if s is not None}  # noqa: E731
         self.pending = verify_ids
-        self.saved = [(clone(layer.conv_states), clone(layer.recurrent_states)) for layer in self.recurrent_layers()]
+        self.saved = [(clone(layer.conv_states), clone(layer.recurrent_states)) for layer in recurrent_layers(self)]
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
@@ -99,11 +105,13 @@ class RollbackCache(DynamicCache):
                 f"a hybrid target's cache rolls back only within its last verify pass (crop {tokens_to_remove})"
             )
         verified, kept = self.pending.shape[1], self.pending[:, : self.pending.shape[1] + tokens_to_remove]
-        for layer, (conv, recurrent) in zip(self.recurrent_layers(), self.saved):
+        for layer, (conv, recurrent) in zip(recurrent_layers(self), self.saved):
             for states, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
                 for i, state in saved.items():
                     states[i].copy_(state)
         for layer in self.layers:
+            if hasattr(layer, "cumulative_length_linear"):  # 5.25+: a linear layer counts its own tokens
+                layer.cumulative_length_linear.sub_(verified)
             if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, DynamicLayer):
                 DynamicLayer.crop(layer, -verified)  # a layer holding both: its own crop would refuse
             elif isinstance(layer, CacheLayerMixin):
@@ -111,6 +119,38 @@ class RollbackCache(DynamicCache):
         self.pending = None
         if kept.shape[1]:
             self.target(input_ids=kept, use_cache=True, logits_to_keep=1, **{self.cache_name: self})
+
+
+def hybrid_cache(target) -> DynamicCache:
+    """A hybrid target's cache: transformers' own where it can roll a recurrent state back (5.25+), else a
+    `RollbackCache`, which saves the states and re-runs the accepted tokens."""
+    return DynamicCache(config=target.config) if records_recurrent_states() else RollbackCache(target)
+
+
+def record_verify_states(cache, verify_tokens: int) -> None:
+    """After the prefill, has transformers' own hybrid cache record the states of each verify pass of up to
+    `verify_tokens` tokens (all of them, so that a crop can go back to any accepted prefix, the empty one included)."""
+    if not isinstance(cache, RollbackCache) and recurrent_layers(cache):
+        cache.activate_past_recording(recurrent_states_to_keep=verify_tokens)
+
+
+def recurrent_layers(cache) -> list:
+    if LinearAttentionCacheLayerMixin is None:
+        return []
+    return [layer for layer in getattr(cache, "layers", None) or [] if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def crop_recorded(cache, tokens_to_remove: int) -> None:
+    """Crops a recording hybrid cache, always (a crop of 0 still ends the pass's recording), after checking that the
+    target recorded a state for each token to take back (a model that ignores the request would roll back wrongly)."""
+    for layer in recurrent_layers(cache):
+        history = getattr(layer, "recurrent_states_history", {}).get(0)
+        if tokens_to_remove and layer.is_recurrent_states_initialized[0] and len(history or []) < tokens_to_remove:
+            raise RuntimeError(
+                f"{type(layer).__name__} recorded {len(history or [])} recurrent states in the last verify pass, too "
+                f"few to take back {tokens_to_remove} tokens: the target does not honour recurrent_states_to_keep"
+            )
+    cache.crop(-tokens_to_remove)
 
 
 def static_length(cache) -> int | None:
@@ -136,7 +176,7 @@ def target_cache_for(
                 f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
                 "leave cache_implementation and past_key_values unset (a static or passed cache is not supported)"
             )
-        return RollbackCache(target)
+        return hybrid_cache(target)
     if past_key_values is None and cache_implementation != "static":
         return DynamicCache()
     cache = (
@@ -167,12 +207,14 @@ def drop_last(cache: DynamicCache, num_tokens: int) -> None:
 
 def compact_cache(cache: DynamicCache, first: int, path: list[int]) -> None:
     """Keeps, after the first `first` cached tokens, only the tree nodes on `path`, moved to consecutive slots."""
-    total = int(cache.get_seq_length())  # a static cache counts in a tensor
+    total = int(cache.get_seq_length())  # a static cache, and a linear-attention layer (5.25+), count in a tensor
     if path != list(range(len(path))):  # a chain prefix needs no gather
         keep = torch.tensor(path) + first
         for layer in cache.layers:
             keep = keep.to(layer.keys.device)
             layer.keys[..., first : first + len(path), :] = layer.keys[..., keep, :]
             layer.values[..., first : first + len(path), :] = layer.values[..., keep, :]
-    if total > first + len(path):
+    if recurrent_layers(cache) and not isinstance(cache, RollbackCache):
+        crop_recorded(cache, total - first - len(path))
+    elif total > first + len(path):
         cache.crop(first + len(path) - total)

@@ -20,12 +20,12 @@ from transformers.generation.streamers import BaseStreamer
 
 try:
     from .cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
-    from .cache_dflash import static_length, target_cache_for
+    from .cache_dflash import record_verify_states, static_length, target_cache_for
     from .configuration_dflash import check_fits_target, first_stop
     from .tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
-    from cache_dflash import static_length, target_cache_for
+    from cache_dflash import record_verify_states, static_length, target_cache_for
     from configuration_dflash import check_fits_target, first_stop
     from tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 
@@ -347,18 +347,17 @@ def draft_embedding(draft, target) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def is_int8(draft) -> bool:
-    """Whether the draft's linear layers hold int8 weights (`torch.ao.quantization.quantize_dynamic`)."""
-    return any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in draft.modules())
+    """Whether `draft` is an `int8_copy()` (a marker it sets, so float drafts never touch `torch.ao`)."""
+    return getattr(draft, "_int8_weights", False)
 
 
 def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
     """`module` (float32, on the CPU) with its linear layers dynamically quantized in place: int8 weights, float32
-    activations."""
-    with warnings.catch_warnings():
-        # torchao, where the deprecation points, runs eager int8 2-3x slower than this on a CPU
-        warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
-        warnings.filterwarnings("ignore", message="torch.quantize_per_tensor")
-        return torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, torch.qint8, inplace=True)
+    activations. fbgemm's dynamic quantization is deprecated in torch 2.10+ yet 3-10x faster on these shapes than
+    its successors (`python -m bench.int8_kernels`), so it stays, warning included, until torch removes it."""
+    from torch.ao.quantization import quantize_dynamic  # only int8 copies need the deprecated namespace
+
+    return quantize_dynamic(module, {torch.nn.Linear}, torch.qint8, inplace=True)
 
 
 def rows(weight: torch.Tensor | None, vocab: torch.Tensor | None) -> torch.Tensor | None:
@@ -647,6 +646,7 @@ def spec_generate(
         out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_name: target_cache})
         last = pick_tokens(out.logits[:, -1:], warpers, generator)
         new_tokens, context, out = last[0].tolist(), features.pop(), None
+        record_verify_states(target_cache, block_size)  # after the prefill, whose states no crop goes back to
         acceptance_lengths: list[int] = []
         start = prompt_len  # position of the last committed token, which is not yet in the target's cache
         streamed = stream_tokens(streamer, new_tokens, 0, ending.update(new_tokens))
@@ -745,6 +745,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.embed, self.head = draft_embedding(draft, target), DraftHead(draft, target.get_output_embeddings())
         self.features = LayerFeatures(target, draft.config.target_layer_ids)
         self.rollback = rollback
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one verify pass takes (the last committed token and the drafted ones): transformers 5.25+
+        has a hybrid target's cache record that many recurrent states, so that a crop can go back to any of them."""
+        return self.max_block_size
 
     def close(self) -> None:
         self.features.close()

@@ -22,11 +22,11 @@ from transformers.generation.streamers import BaseStreamer
 
 try:
     from .batch_dflash import generate_batch
-    from .cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid
+    from .cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states
     from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from batch_dflash import generate_batch
-    from cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid
+    from cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states
     from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -281,18 +281,22 @@ def assisted_generate(generate, target, call: dict):
 
 
 def hybrid_cache(target, call: dict, builtin: bool) -> RollbackCache | None:
-    """For a hybrid target, the `RollbackCache` this call runs on (put into the call); None otherwise."""
+    """For a hybrid target on a transformers whose cache cannot roll its states back, the `RollbackCache` this call
+    runs on (put into the call); None otherwise (where it can, its assisted loop records `num_drafting_tokens`
+    states per verify and crops back to one of them)."""
     if not is_hybrid(target):
         return None
-    if builtin:
-        raise ValueError(
-            f"{type(target).__name__} keeps a recurrent state, which transformers' own DFlash generator cannot roll "
-            "back; leave speculation_type unset to use this project's"
-        )
     if call.get("past_key_values", call.get("cache")) is not None or call.get("cache_implementation") is not None:
         raise ValueError(
             f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
             "leave cache_implementation and past_key_values unset"
+        )
+    if records_recurrent_states():
+        return None
+    if builtin:
+        raise ValueError(
+            f"{type(target).__name__} keeps a recurrent state, which transformers {transformers.__version__}'s own "
+            "DFlash generator cannot roll back (5.25+ can); leave speculation_type unset to use this project's"
         )
     call[cache_kwarg(target)] = rollback = RollbackCache(target)
     return rollback
@@ -300,8 +304,9 @@ def hybrid_cache(target, call: dict, builtin: bool) -> RollbackCache | None:
 
 @contextlib.contextmanager
 def stateless(target, active: bool):
-    """transformers refuses assisted decoding for stateful models, whose state it cannot roll back; with a
-    `RollbackCache` it can, so the flag is lifted for this call."""
+    """transformers before 5.25 refuses assisted decoding for stateful models (`_is_stateful`), whose state it cannot
+    roll back; with a `RollbackCache` it can, so the flag is lifted for this call."""
+    active = active and bool(getattr(target, "_is_stateful", False))
     own = "_is_stateful" in vars(target)
     previous = vars(target).get("_is_stateful")
     if active:
@@ -327,7 +332,7 @@ def truncate_output(result, length: int, prompt_len: int):
     # the field's own name: transformers 5.24 logs a deprecation for the `past_key_values` alias, however it is read
     fields = {field.name for field in dataclasses.fields(result)}
     if (cache := getattr(result, "cache" if "cache" in fields else "past_key_values", None)) is not None:
-        drop_last(cache, cache.get_seq_length() - (length - 1))
+        drop_last(cache, int(cache.get_seq_length()) - (length - 1))
     return result
 
 

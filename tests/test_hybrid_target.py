@@ -1,19 +1,38 @@
-"""Hybrid targets (gated-delta linear attention plus full attention, Qwen3.5 / Qwen3-Next style) in torch: the
-recurrent state is saved before each verify pass, restored after a rejection and advanced over the accepted tokens
-only (`cache_dflash.RollbackCache`); both routes are exact at every rejection length."""
+"""Hybrid targets (gated-delta linear attention plus full attention, Qwen3.5 / Qwen3-Next style) in torch. Two
+rollbacks, each exact in both routes at every rejection length: transformers' own cache, which records the state
+after each verified token and crops back to one (`recorded`, 5.25+), and `cache_dflash.RollbackCache`, which saves
+the states before each verify pass, restores them after a rejection and advances them over the accepted tokens only
+(`saved`, the only one on 5.24)."""
 
 import warnings
 
 import pytest
 import torch
 import transformers
+from transformers import DynamicCache
 
 import cache_dflash
+import routing_dflash
 from conftest import VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config
 from cache_dflash import RollbackCache
 
 ROLLS_BACK = cache_dflash.LinearAttentionCacheLayerMixin is not None
 needs_rollback = pytest.mark.skipif(not ROLLS_BACK, reason="transformers 4.x refuses hybrid targets (tested below)")
+RECORDS = cache_dflash.records_recurrent_states()
+ROLLBACKS = ["recorded", "saved"] if RECORDS else ["saved"]
+
+
+def use_rollback(monkeypatch, rollback: str) -> None:
+    """`saved`: the `RollbackCache`, even where transformers' own cache could roll back."""
+    if rollback == "saved":
+        for module in (cache_dflash, routing_dflash):
+            monkeypatch.setattr(module, "records_recurrent_states", lambda: False)
+
+
+@pytest.fixture(params=ROLLBACKS)
+def rollback(request, monkeypatch):
+    use_rollback(monkeypatch, request.param)
+    return request.param
 
 
 def make_qwen3_next(seed: int = 0):
@@ -50,14 +69,28 @@ def finish(model):
 TARGETS = {"qwen3_5": make_qwen3_5, "qwen3_next": make_qwen3_next}
 
 
-def passes(target):
+def passes(target, caches=None):
+    """The tokens of each target pass (and, into `caches`, the type of cache each ran on)."""
     calls = []
-    return calls, target.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
+
+    def hook(module, args, kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        if caches is not None:
+            caches.add(type(kwargs.get("cache", kwargs.get("past_key_values"))).__name__)
+
+    return calls, target.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def run_generate(target, draft, ids, max_new_tokens):
     return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=max_new_tokens,
                            do_sample=False, pad_token_id=0)
+
+
+def generate_logits(target, ids, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ids and the target's logits at each new token, `[1, new, V]`."""
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits, dim=1)
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +103,10 @@ def quiet():
 @needs_rollback
 @pytest.mark.parametrize("arch", sorted(TARGETS))
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_spec_generate_rolls_back_after_every_rejection_length(arch, block_size):
+def test_spec_generate_rolls_back_after_every_rejection_length(arch, block_size, rollback):
     """A draft right for exactly k tokens per block rejects B - 1 - k: output equals plain greedy decoding, each
-    round accepts k + 1, and each round with a rejection re-runs the target over exactly the k + 1 kept tokens."""
+    round accepts k + 1, and each round with a rejection re-runs the target over exactly the k + 1 kept tokens
+    (`saved`) or over none (`recorded`: every pass after the prefill is one verify of the block)."""
     target = TARGETS[arch]()
     ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
     reference = greedy_reference(target, ids, 30 + block_size)
@@ -84,25 +118,85 @@ def test_spec_generate_rolls_back_after_every_rejection_length(arch, block_size)
         assert torch.equal(stats.output_ids, reference[:, :37]), f"{arch} k={k}"
         assert stats.acceptance_lengths[:-1] == [k + 1] * (len(stats.acceptance_lengths) - 1), f"k={k}"
         reruns = [n for n in calls[1:] if n != block_size]
-        assert len(reruns) == (0 if k == block_size - 1 else len(stats.acceptance_lengths)) and set(reruns) <= {k + 1}
+        expected_reruns = 0 if k == block_size - 1 or rollback == "recorded" else len(stats.acceptance_lengths)
+        assert len(reruns) == expected_reruns and set(reruns) <= {k + 1}, (rollback, calls)
 
 
 @needs_rollback
 @pytest.mark.parametrize("arch", sorted(TARGETS))
-def test_generate_route_rolls_back_after_every_rejection_length(arch):
+def test_generate_route_rolls_back_after_every_rejection_length(arch, rollback):
+    target, block_size = TARGETS[arch](), 6
+    stateful = getattr(type(target), "_is_stateful", None)  # transformers before 5.25 refuses stateful models
+    ids = torch.randint(3, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(1))
+    reference, plain = generate_logits(target, ids)
+    for k in range(block_size):
+        draft = OracleDraft(make_draft_config(block_size=block_size)).eval().setup(target, reference, k)
+        caches = set()
+        calls, handle = passes(target, caches)
+        out, logits = generate_logits(target, ids, assistant_model=draft)
+        handle.remove()
+        # logits too: a wrong recurrent state often leaves a tiny target's tokens as they were (see below)
+        assert torch.equal(out, reference) and (logits - plain).abs().max() < 1e-5, f"{arch} k={k}"
+        assert all(n == k + 1 for n, _ in draft.calls[1:-1]), draft.calls
+        assert caches == {"RollbackCache" if rollback == "saved" else "DynamicCache"}, caches
+        if rollback == "saved" and k < block_size - 1:  # a rejection re-runs the k + 1 kept tokens
+            assert calls[1:3] == [block_size, k + 1], calls
+    # the call lifted transformers' refusal only for itself
+    assert "_is_stateful" not in vars(target) and getattr(type(target), "_is_stateful", None) == stateful
+
+
+@pytest.mark.skipif(not RECORDS, reason="transformers before 5.25 records no recurrent states (RollbackCache instead)")
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_transformers_own_dflash_rolls_back_a_hybrid_target(arch):
+    """Where transformers' cache records the states, its own `speculation_type="dflash"` generator is exact on a
+    hybrid target too, at every rejection length."""
     target, block_size = TARGETS[arch](), 6
     ids = torch.randint(3, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(1))
     reference = greedy_reference(target, ids, 30)
     for k in range(block_size):
         draft = OracleDraft(make_draft_config(block_size=block_size)).eval().setup(target, reference, k)
-        assert torch.equal(run_generate(target, draft, ids, 30), reference), f"{arch} k={k}"
-        assert all(n == k + 1 for n, _ in draft.calls[1:-1]), draft.calls
-    assert "_is_stateful" not in vars(target) and type(target)._is_stateful  # the call lifted transformers' refusal only for itself
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=30,
+                              do_sample=False, pad_token_id=0, speculation_type="dflash")
+        assert torch.equal(out, reference), f"{arch} k={k}"
+        assert draft.calls, "transformers' generator never ran the draft"
+
+
+@pytest.mark.skipif(RECORDS, reason="this transformers' own cache rolls a hybrid target back (tested above)")
+@needs_rollback
+def test_transformers_own_dflash_is_refused_where_its_cache_cannot_roll_back():
+    target = make_qwen3_5()
+    with pytest.raises(ValueError, match="own DFlash generator cannot roll back"):
+        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=make_draft(), max_new_tokens=4, speculation_type="dflash")
+
+
+@pytest.mark.skipif(not RECORDS, reason="transformers before 5.25 records no recurrent states")
+def test_one_recorded_state_too_few_is_visible_after_a_full_rejection(monkeypatch):
+    """The generator must ask for a state per verified token (the last committed one too): one fewer, as
+    transformers' own `AssistedCandidateGenerator` asks, restores the state before the pass after a full rejection.
+    The tiny target's tokens may survive that; its logits do not (plain: equal to 1e-5; one too few: off by 1e-3)."""
+    target = make_qwen3_5()
+    ids = torch.randint(3, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(1))
+    reference, plain = generate_logits(target, ids)
+    draft = OracleDraft(make_draft_config(block_size=6)).eval().setup(target, reference, 0)
+    out, logits = generate_logits(target, ids, assistant_model=draft)
+    assert torch.equal(out, reference) and (logits - plain).abs().max() < 1e-5
+    generator = routing_dflash.DFlashCandidateGenerator
+    monkeypatch.setattr(generator, "num_drafting_tokens", property(lambda self: self.max_block_size - 1))
+    _, wrong = generate_logits(target, ids, assistant_model=draft)
+    assert (wrong - plain).abs().max() > 1e-3
+
+
+@pytest.mark.skipif(not RECORDS, reason="transformers before 5.25 records no recurrent states")
+def test_a_target_that_records_no_states_is_named_before_a_wrong_rollback(monkeypatch):
+    target = make_qwen3_5()
+    monkeypatch.setattr(type(DynamicCache()), "get_recurrent_states_to_keep", lambda self, layer_idx=None: 0)
+    with pytest.raises(RuntimeError, match="too few to take back .* does not honour recurrent_states_to_keep"):
+        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=12)
 
 
 @needs_rollback
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
-def test_random_draft_is_exact_through_both_routes(block_size):
+def test_random_draft_is_exact_through_both_routes(block_size, rollback):
     target = make_qwen3_5(seed=block_size)
     ids = torch.randint(3, VOCAB - 1, (1, 9), generator=torch.Generator().manual_seed(block_size))
     expected = greedy_reference(target, ids, 2 * block_size + 5)
@@ -112,9 +206,10 @@ def test_random_draft_is_exact_through_both_routes(block_size):
 
 
 @needs_rollback
-def test_without_the_restore_output_diverges():
+def test_without_the_restore_output_diverges(monkeypatch):
     """The rollback is what makes it exact: a cache that forgets the saved states drifts from plain decoding
     (as z-lab's reference does on transformers 5.24, whose crop rewinds the conv states but not the recurrent one)."""
+    use_rollback(monkeypatch, "saved")
     target = make_qwen3_5(seed=2)
     ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
     reference = greedy_reference(target, ids, 30)
@@ -149,7 +244,7 @@ def test_what_a_recurrent_state_cannot_do_is_refused_before_compute(call, messag
     assert not calls
 
 
-def test_the_shipped_config_tree_yields_to_a_hybrid_target():
+def test_the_shipped_config_tree_yields_to_a_hybrid_target(rollback):
     if not ROLLS_BACK:
         pytest.skip("transformers 4.x refuses hybrid targets (tested below)")
     target, draft = make_qwen3_5(), make_draft()
