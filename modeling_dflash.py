@@ -181,11 +181,19 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         token, so output stays exact."""
         if self.device.type != "cpu":
             raise ValueError(f"int8_copy() quantizes for CPUs (fbgemm); the draft is on {self.device}")
-        return _quantize_int8(copy.deepcopy(self).float())
+        quantized = _quantize_int8(copy.deepcopy(self).float())
+        quantized._int8_weights = True
+        return quantized
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if getattr(self, "_int8_weights", False):  # refused before any file is written
+            raise ValueError("an int8_copy() cannot be saved (its packed fbgemm weights are not safetensors): save the "
+                             "float draft and call int8_copy() after loading it")
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        # read off a norm: linear layers may hold int8 weights (`torch.ao.quantization.quantize_dynamic`)
+        # read off a norm: an int8_copy()'s linear layers hold packed int8 weights
         return self.norm.weight.dtype
 
     def project_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:

@@ -143,13 +143,22 @@ def stop_token_ids(target, tokenizer) -> list[int]:
     return sorted({i for i in ids + [getattr(tokenizer, "eos_token_id", None)] if i is not None})
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict:
     """Versions that matter for the numbers."""
     import torch
     import transformers
 
     env = {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-           "torch": torch.__version__, "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
+           "cpu": cpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "torch_threads": torch.get_num_threads()}
     try:
         import mlx.core as mx
 

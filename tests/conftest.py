@@ -101,6 +101,11 @@ def make_draft(seed: int = 1, **overrides) -> DFlashDraftModel:
     return DFlashDraftModel(make_draft_config(**overrides)).eval()
 
 
+def float_linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linear layers of `module` that still hold float weights (an `int8_copy()` has none)."""
+    return [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def greedy_reference(target, input_ids, max_new_tokens: int) -> torch.Tensor:
     """Plain greedy decoding of the target (which has no EOS set, so it runs to `max_new_tokens`)."""
     return target.generate(

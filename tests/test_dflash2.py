@@ -15,6 +15,7 @@ from conftest import (
     chi_square_p_value,
     exact_joint_distribution,
     exact_two_token_distribution,
+    float_linears,
     greedy_reference,
     make_draft_config,
     make_target,
@@ -316,10 +317,9 @@ def test_a_tree_is_refused_for_a_dflash2_draft_before_compute():
 
 def test_an_int8_copy_decodes_exactly():
     """`int8_copy()` quantizes the convolutions' kernel projections and the selector's hidden projection too."""
-    from generation_dflash import is_int8
-
     target, draft = make_target("qwen3"), make_dflash2()
     int8 = draft.int8_copy()
-    assert is_int8(int8.candidate_selector) and is_int8(int8.layers[0].attention_conv)
+    parts = ("candidate_selector", "layers.0.attention_conv")
+    assert all(float_linears(draft.get_submodule(p)) and not float_linears(int8.get_submodule(p)) for p in parts)
     ids = torch.tensor([[5, 6, 7, 8]])
     assert torch.equal(int8.spec_generate(target, ids, max_new_tokens=20, block_size=4), greedy_reference(target, ids, 20))

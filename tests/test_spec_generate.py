@@ -16,6 +16,7 @@ from conftest import (
     exact_joint_distribution,
     sample_two_tokens,
     exact_two_token_distribution,
+    float_linears,
     greedy_reference,
     make_draft,
     make_draft_config,
@@ -266,6 +267,7 @@ def test_an_int8_copy_drafts_through_int8_layers_and_head_and_output_stays_exact
     draft.config.draft_vocab = list(range(2, VOCAB, 2))
     int8 = draft.int8_copy()
     assert is_int8(int8) and not is_int8(draft) and int8.compute_dtype == torch.float32  # the original is kept
+    assert float_linears(draft) and not float_linears(int8), "every linear layer of the copy is int8"
     hidden = torch.randn(1, 7, target.config.hidden_size)
     exact, rounded = DraftHead(draft, target.lm_head).scores(hidden), DraftHead(int8, target.lm_head).scores(hidden)
     assert 0 < (rounded - exact).norm() / exact.norm() < 0.05, "the head's rows are int8: close, not equal"
@@ -281,6 +283,36 @@ def test_an_int8_copy_drafts_through_int8_layers_and_head_and_output_stays_exact
     assert out.output_ids.shape[1] == 9 + 8
     with pytest.raises(ValueError, match="quantizes for CPUs"):
         make_draft().to("meta").int8_copy()
+
+
+def test_an_int8_copy_is_refused_by_save_pretrained_and_leaves_nothing(tmp_path):
+    with pytest.raises(ValueError, match="int8_copy\\(\\) cannot be saved"):
+        make_draft().int8_copy().save_pretrained(tmp_path / "int8")
+    assert not (tmp_path / "int8").exists()
+
+
+class Removed:
+    """Stands for a namespace torch has removed: any use of it fails."""
+
+    def __getattr__(self, name):
+        raise AttributeError(f"torch.ao.{name} was used by a float draft")
+
+
+def test_float_drafts_run_every_route_without_torch_ao(monkeypatch):
+    """The float routes work the day torch removes `torch.ao` (int8 copies need it; float drafts must not)."""
+    target, draft = make_target("qwen3"), make_draft()
+    ids = torch.randint(3, VOCAB - 1, (2, 6), generator=torch.Generator().manual_seed(3))
+    expected = [greedy_reference(target, row[None], 12) for row in ids]
+    monkeypatch.setattr(torch, "ao", Removed())
+    monkeypatch.setitem(__import__("sys").modules, "torch.ao.quantization", None)
+    batch = draft.spec_generate(target, ids, max_new_tokens=12, stop_token_ids=[])
+    for row, batched, reference in zip(ids, batch, expected):
+        assert torch.equal(draft.spec_generate(target, row[None], max_new_tokens=12), reference)
+        assert torch.equal(target.generate(row[None], assistant_model=draft, max_new_tokens=12, do_sample=False),
+                           reference)
+        assert torch.equal(batched[None], reference)
+    with pytest.raises(ImportError):
+        draft.int8_copy()  # proves the namespace was gone while the float routes ran
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
