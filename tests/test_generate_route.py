@@ -1,5 +1,8 @@
 """`target.generate(ids, assistant_model=draft)`: our candidate generator, and transformers' own `speculation_type="dflash"`."""
 
+import ast
+import inspect
+import textwrap
 import warnings
 
 import pytest
@@ -16,6 +19,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerationMixin
 
 from conftest import (
     MISMATCHES,
@@ -57,6 +61,48 @@ def assert_target_untouched(target):
     assert "_get_candidate_generator" not in vars(target) and "_get_stopping_criteria" not in vars(target)
     hooks = [h for m in target.modules() for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]]
     assert not [h for h in hooks if "DFlash" in h.__qualname__], "DFlash hooks left on the target"
+
+
+def skipped_for(generator, test: ast.AST) -> bool:
+    """Whether an `if` test rules out `generator`: a type check (`isinstance` / `hasattr` on it, true for other
+    generators only) or one of its own flags that is off (`if candidate_generator.requires_model_outputs:`)."""
+    if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and test.value.id == "candidate_generator":
+        return not getattr(generator, test.attr)
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("isinstance", "hasattr")
+               and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "candidate_generator"
+               for n in ast.walk(test))
+
+
+def generator_reads(fn, generator) -> set[str]:
+    """The `candidate_generator.<name>` attributes `fn` reads when it runs with `generator`."""
+    names = set()
+
+    def visit(node):
+        nodes = list(ast.iter_child_nodes(node))
+        if isinstance(node, ast.If) and skipped_for(generator, node.test):
+            nodes = [node.test, *node.orelse] if isinstance(node.test, ast.Attribute) else node.orelse
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "candidate_generator":
+            names.add(node.attr)
+        for child in nodes:
+            visit(child)
+
+    visit(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+    return names
+
+
+def test_the_generator_has_every_attribute_the_installed_assisted_loop_reads():
+    """transformers 5.25 began reading `num_drafting_tokens`: a new read fails here before it fails a user."""
+    from generation_dflash import DFlashCandidateGenerator
+
+    target, draft = make_target("llama"), make_draft()
+    config = GenerationConfig(max_length=32, do_sample=False)
+    generator = DFlashCandidateGenerator(target, draft, config)
+    try:
+        reads = generator_reads(GenerationMixin._assisted_decoding, generator)
+        assert {"get_candidates", "update_candidate_strategy"} <= reads, reads  # the parse found the loop's reads
+        assert [name for name in sorted(reads) if not hasattr(generator, name)] == []
+    finally:
+        generator.close()
 
 
 @pytest.mark.parametrize("route", ROUTES)
