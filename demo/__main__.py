@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModel, TextStreamer
 
 from bench.checks import check_decoding_args, check_model_path
@@ -91,7 +92,7 @@ def main() -> None:
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], temperature=args.temperature)
     draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, block_size=args.block_size)  # warm-up
     why = " (auto: this machine multiplies bf16 natively)" if args.dtype == "auto" and dtype != "float32" else ""
-    print(f"dtype {dtype}{why}", flush=True)
+    print(f"dtype {dtype}{why}; transformers {transformers.__version__}, torch {torch.__version__}", flush=True)
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     stats, dflash_s = timed(lambda: draft.spec_generate(

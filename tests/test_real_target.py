@@ -420,7 +420,8 @@ def run_demo(*args: str) -> str:
 def test_demo_prints_identical_output_in_float32():
     for draft in ("--draft-int8", "--no-draft-int8"):
         out = run_demo("--dtype", "float32", draft)
-        assert out.startswith("dtype float32\n") and "output identical to plain greedy (float32)" in out, out[-2000:]
+        versions = f"; transformers {transformers.__version__}, torch {torch.__version__}\n"
+        assert out.startswith("dtype float32" + versions) and "output identical to plain greedy (float32)" in out, out[-2000:]
         assert ("float32, int8 draft)" in out) == (draft == "--draft-int8"), out[-2000:]
 
 
