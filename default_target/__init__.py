@@ -67,9 +67,15 @@ def add_top_level_rope_theta(config_file: Path) -> None:
     if not fields:
         return
     config.update(fields)
-    tmp = config_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tmp.replace(config_file)
+    fd, tmp = tempfile.mkstemp(prefix=".config.json-", dir=config_file.parent)  # a name of its own per process
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, config_file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def default_target_path() -> Path:

@@ -27,7 +27,25 @@ def test_rope_theta_is_copied_to_the_top_level(tmp_path):
     config.write_text(json.dumps({"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}))
     add_top_level_rope_theta(config)
     assert json.loads(config.read_text())["rope_theta"] == 100000.0
-    assert not list(tmp_path.glob("*.tmp"))
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary file left
+
+
+def test_processes_adding_the_field_at_once_each_write_a_temporary_file_of_their_own(tmp_path, monkeypatch):
+    """`default_target_path()` adds the field on every first use; two processes must not share a temporary name."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0}}))
+    names, replace = [], default_target.os.replace
+
+    def second_process_meanwhile(src, dst):
+        names.append(src)
+        if len(names) == 1:
+            add_top_level_rope_theta(config)  # starts and finishes while the first has written but not renamed
+        replace(src, dst)
+
+    monkeypatch.setattr(default_target.os, "replace", second_process_meanwhile)
+    add_top_level_rope_theta(config)
+    assert len(set(names)) == 2 and json.loads(config.read_text())["rope_theta"] == 100000.0
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
 def test_a_concurrent_conversion_keeps_the_finished_folder(tmp_path):
