@@ -171,12 +171,17 @@ def check_schedule(schedule: str | None) -> None:
 
 
 def check_compile_request(
-    compile_verify: bool, cache_implementation: str | None, past_key_values, schedule: str
+    compile_verify: bool, cache_implementation: str | None, past_key_values, schedule: str, lookup: int = 0,
+    tree_min_prob: float = 0.0,
 ) -> str | None:
     """The cache implementation of the call: a compiled verify needs fixed shapes, so a static cache (the default
-    then) and a constant block."""
+    then), a constant block and a tree of one size."""
     if not compile_verify:
         return cache_implementation
+    for name, value in (("prompt_lookup_num_tokens", lookup), ("tree_min_prob", tree_min_prob)):
+        if value:
+            raise ValueError(f"compile_verify=True verifies one shape every round, and {name}={value} changes the "
+                             "verify's length by round (each new length would recompile); leave it unset")
     if cache_implementation == "dynamic" or (past_key_values is not None and static_length(past_key_values) is None):
         raise ValueError(
             "compile_verify=True needs a static cache (fixed verify shapes); a dynamic cache grows every round"
@@ -353,7 +358,7 @@ def is_int8(draft) -> bool:
 
 def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
     """`module` (float32, on the CPU) with its linear layers dynamically quantized in place: int8 weights, float32
-    activations. fbgemm's dynamic quantization is deprecated in torch 2.10+ yet 3-10x faster on these shapes than
+    activations. fbgemm's dynamic quantization is deprecated in torch 2.10+ yet 2.4x or more faster on these shapes than
     its successors (`python -m bench.int8_kernels`), so it stays, warning included, until torch removes it."""
     from torch.ao.quantization import quantize_dynamic  # only int8 copies need the deprecated namespace
 
@@ -563,7 +568,8 @@ def spec_generate(
         past_key_values: an empty cache object to use instead (any whose layers can be cropped).
         compile_verify: run the verify passes through `torch.compile(target.forward)` (compiled on the first call and
             kept for the target); needs a static cache, which it then uses by default (a power of two of at least 1024
-            slots, so other lengths reuse the graph), and the constant schedule.
+            slots, so other lengths reuse the graph), the constant schedule and one tree size (no
+            `prompt_lookup_num_tokens` or `tree_min_prob`, which change the verify's length by round).
         top_p, top_k: nucleus and top-k filtering of the target's distribution when sampling (1.0 and 0: off), as
             transformers' warpers apply them; output is sampled from exactly that filtered distribution.
         block_size: tokens per draft block, including the last committed token; defaults to `config.block_size`.
@@ -621,7 +627,7 @@ def spec_generate(
     if lookup:  # a lookup branch makes every round a tree
         check_tree_request(self, target, lookup, block_size_schedule, final_length, "prompt_lookup_num_tokens")
     cache_implementation = check_compile_request(
-        compile_verify, cache_implementation, past_key_values, block_size_schedule
+        compile_verify, cache_implementation, past_key_values, block_size_schedule, lookup, tree_min_prob
     )
     slots = compiled_cache_slots(final_length) if compile_verify else final_length
     target_cache = target_cache_for(target, cache_implementation, past_key_values, final_length, slots)

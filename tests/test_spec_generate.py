@@ -549,6 +549,8 @@ def test_compiled_verify_is_exact_and_feeds_the_draft_the_same_features():
     [
         ({"cache_implementation": "dynamic"}, "compile_verify=True needs a static cache"),
         ({"block_size_schedule": "heuristic"}, "compile_verify=True needs block_size_schedule='constant'"),
+        ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3 changes the verify's length by round"),
+        ({"tree_budget": 4, "tree_min_prob": 0.2}, "tree_min_prob=0.2 changes the verify's length by round"),
     ],
 )
 def test_compiled_verify_refuses_changing_shapes_before_compute(kwargs, message):
