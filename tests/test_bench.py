@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from bench import methods, report
 from bench.datasets import EXPECTED_COUNTS, load_prompts
@@ -83,6 +83,7 @@ def test_end_to_end_lossless(sweep_result):
     methods_run = {r["method"] for r in result["records"]}
     skipped = {s["method"] for s in result["skipped"]}
     assert {"assisted", "hf-dflash"} <= methods_run | skipped  # each either ran losslessly or says why not
+    assert ("hf-dflash" in methods_run) == hasattr(GenerationConfig(), "speculation_type")  # wherever transformers has it
 
 
 def test_json_schema_is_stable(sweep_result):
