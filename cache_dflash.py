@@ -137,7 +137,8 @@ def record_verify_states(cache, verify_tokens: int) -> None:
 def recurrent_layers(cache) -> list:
     if LinearAttentionCacheLayerMixin is None:
         return []
-    return [layer for layer in getattr(cache, "layers", None) or [] if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    layers = getattr(cache, "layers", None) or []
+    return [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
 def crop_recorded(cache, tokens_to_remove: int) -> None:

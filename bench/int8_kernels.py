@@ -8,6 +8,7 @@ ratio to fbgemm; `--out` writes them as JSON.
 """
 
 import argparse
+import sys
 import copy
 import time
 from pathlib import Path
@@ -111,8 +112,10 @@ def main(argv=None):
     for name, ms in timings.items():
         print(f"{name:32s} {ms:8.3f} ms   {ms / base:5.2f}x fbgemm")
     if args.out:
-        write_json_atomic(args.out, {"command": " ".join(["python -m bench.int8_kernels", *(argv or [])]),
-                                     "environment": environment() | {"torchao": torchao_version()}, "tokens": args.tokens, "shapes": shapes,
+        environment_used = environment() | {"torchao": torchao_version()}
+        command = " ".join(["python -m bench.int8_kernels", *(sys.argv[1:] if argv is None else argv)])
+        write_json_atomic(args.out, {"command": command,
+                                     "environment": environment_used, "tokens": args.tokens, "shapes": shapes,
                                      "ms": timings})
 
 

@@ -7,6 +7,7 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+import cache_dflash
 from bench import methods, report
 from bench.datasets import EXPECTED_COUNTS, load_prompts
 from bench.harness import first_difference, truncate
@@ -14,6 +15,7 @@ from bench.methods import Generation, TargetTracer
 from bench.mlx_methods import MLX_METHODS
 from bench.run import main
 from conftest import ROOT, VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
+from modeling_dflash import DFlashDraftModel
 
 CHARS = " abcdefghijklmnopqrstuvwxyz.,?!'\n<>/0123456789"
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -348,3 +350,27 @@ def test_round_profile_times_every_part_of_real_rounds_and_restores_the_loop():
     assert result["tau"] >= 1 and result["decode_step"] > 0
     assert "beyond the verify" in report(torch.float32, result)
     assert all(getattr(generation_dflash, name) is fn for name, fn in originals.items())
+
+
+def test_int8_kernels_times_every_kernel_on_the_drafts_shapes(model_dirs, tmp_path):
+    from bench import int8_kernels
+
+    out = tmp_path / "int8.json"
+    int8_kernels.main(["--draft", str(model_dirs[1]), "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    draft = DFlashDraftModel.from_pretrained(model_dirs[1])
+    assert len(result["shapes"]) == len([m for m in draft.modules() if isinstance(m, torch.nn.Linear)]) + 1  # the head
+    assert {"float32", "fbgemm dynamic int8", "_weight_int8pack_mm bfloat16"} <= set(result["ms"])
+    assert all(ms > 0 for ms in result["ms"].values()) and result["command"].startswith("python -m bench.int8_kernels")
+
+
+@pytest.mark.skipif(not cache_dflash.records_recurrent_states(), reason="transformers before 5.25 records no states")
+def test_hybrid_rollback_compares_both_rollbacks_exactly(tmp_path):
+    from bench import hybrid_rollback
+
+    out = tmp_path / "hybrid.json"
+    assert hybrid_rollback.main(["--prompts", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    rows = {(r["route"], r["rollback"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4 and all(r["exact"] for r in rows.values())
+    for route in ("spec_generate", "generate"):  # the random draft rejects: the saved rollback re-runs the kept tokens
+        assert rows[route, "recorded"]["target_passes"] < rows[route, "saved"]["target_passes"]
