@@ -89,6 +89,9 @@ def refuse_batch_options(draft, target, final_length: int, **options) -> None:
             raise ValueError(f"{name}={options[name]!r} is not supported with a batch of prompts: {reason}")
     if draft.has_selector:
         raise ValueError("a DFlash 2 draft's selector walks one row; decode its prompts one at a time")
+    if any(layer.self_attn.sliding_window for layer in draft.layers):
+        raise ValueError("the draft's sliding-window layers would count a row's rejected slots toward their window; "
+                         "decode the prompts one at a time")
     if is_hybrid(target):
         raise ValueError(f"the recurrent layers of {type(target).__name__} cannot skip a row's rejected tokens")
     check_tree_supported(target, 1, final_length, "batch", "decode the prompts one at a time")

@@ -198,6 +198,21 @@ def test_a_target_whose_attention_cannot_take_the_batch_mask_is_refused(target_k
     assert not calls, "the target ran before the error"
 
 
+def test_a_draft_with_sliding_window_layers_is_refused_in_both_batch_routes():
+    """A row's rejected slots stay in the draft's cache as holes, which a window counted by key index would include."""
+    target, calls = watched_target()
+    draft = make_draft(layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=8)
+    ids, mask = left_pad(PROMPTS)
+    message = "sliding-window layers would count a row's rejected slots toward their window"
+    with pytest.raises(ValueError, match=message):
+        draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=32)
+    with pytest.raises(ValueError, match=message):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=32, do_sample=False)
+    assert not calls, "the target ran before the error"
+    one_row = torch.tensor([PROMPTS[1]])
+    assert draft.spec_generate(target, one_row, max_new_tokens=4).shape[1] == one_row.shape[1] + 4  # one row decodes
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # `target.generate` with a batch: the call's logits processors and stopping criteria, per row.
 
