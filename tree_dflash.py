@@ -176,6 +176,11 @@ def check_tree_supported(
             f"({', '.join(ATTENTION_FOR_TREES)}); "
             f"the target uses {attention!r}. Load it with attn_implementation='sdpa' or {instead}."
         )
+    if getattr(config, "attn_temperature_tuning", False):  # Llama 4 scales its NoPE layers' queries by cache slot
+        raise ValueError(
+            f"{what} verification places tokens in cache slots other than their positions, and this target scales "
+            f"attention by the slot (attn_temperature_tuning); {instead}."
+        )
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
         config, "use_sliding_window", True

@@ -446,3 +446,22 @@ def test_bad_min_probs_are_refused_before_compute():
     with pytest.raises(ValueError, match="verifies the chain"):
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, tree_min_prob=0.2,
                             prompt_lookup_num_tokens=0)
+
+
+def test_a_target_scaling_attention_by_cache_slot_is_refused_for_trees_and_batches():
+    """Llama 4's `attn_temperature_tuning` scales by cache slot; a tree node's or a batch row's slot is not its
+    position. The chain (slots equal to positions) still runs."""
+    target, draft = make_target("llama"), make_draft()
+    target.config.attn_temperature_tuning = True
+    calls = []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="scales attention by the slot"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=4)
+    with pytest.raises(ValueError, match="scales attention by the slot"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="batch verification .* scales attention by the slot"):
+        draft.spec_generate(target=target, input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4)
+    assert not calls, "the target ran before the error"
+    chain = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, prompt_lookup_num_tokens=0)
+    assert torch.equal(chain, greedy_reference(target, ids, 4))
