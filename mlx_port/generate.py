@@ -204,8 +204,21 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, list[int], mx.
 # Draft trees: the nodes, their mask and positions, and the cache afterwards.
 
 
+def slot_scaling(model: nn.Module) -> Optional[str]:
+    """The config key by which the target scales attention by cache offset (mlx-lm's llama4, ministral3, mistral4)."""
+    args = vars(getattr(model, "args", None) or object())
+    for fields in (args, args.get("rope_parameters") or {}, args.get("text_config") or {}):
+        for key in ("attn_temperature_tuning", "llama_4_scaling_beta"):
+            if isinstance(fields, dict) and fields.get(key):
+                return key
+    return None
+
+
 def tree_problem(model: nn.Module) -> Optional[str]:
-    """Why the target cannot verify a tree, if it cannot: each layer's attention must place a node by its `rope`."""
+    """Why the target cannot verify a tree, if it cannot: each layer's attention must place a node by its `rope`,
+    and nothing may scale attention by the cache offset, which for a tree node is not its position."""
+    if key := slot_scaling(model):
+        return f"{type(model).__name__} scales attention by cache offset ({key}), and a tree node's is not its depth"
     for i, layer in enumerate(decoder_layers(model)):
         if not callable(getattr(getattr(layer, "self_attn", None), "rope", None)):
             return f"layer {i} of {type(model).__name__} has no self_attn.rope to place tree nodes at their depths"

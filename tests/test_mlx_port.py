@@ -528,6 +528,10 @@ def test_a_tree_the_target_cannot_verify_is_refused_or_stepped_aside(target_dir,
     broken.model.layers[1].self_attn.rope = None
     with pytest.raises(ValueError, match="tree_budget=4 needs a tree verify, but layer 1 .* has no self_attn.rope"):
         run(broken, load_draft(str(draft_dir)), PROMPT, max_tokens=4, tree_budget=4)
+    scaled = load_model(target_dir)[0]
+    scaled.args.rope_parameters = {"llama_4_scaling_beta": 0.1}  # as mlx-lm's ministral3 and mistral4 read it
+    with pytest.raises(ValueError, match=r"scales attention by cache offset \(llama_4_scaling_beta\)"):
+        run(scaled, load_draft(str(draft_dir)), PROMPT, max_tokens=4, tree_budget=4)
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="must be a non-negative integer"):
             run(target, load_draft(str(draft_dir)), PROMPT, max_tokens=4, tree_budget=bad)
