@@ -299,6 +299,15 @@ def tree_attention(model: nn.Module, cache: list, tree: DraftTree, start: int) -
             attention.rope = rope
 
 
+def trim(layer_cache, n: int) -> None:
+    """Drops the last `n` tokens: a `ConcatenateKVCache`'s own trim lowers its offset only, and its next update would
+    concatenate onto the dropped keys, so its arrays are cut too."""
+    layer_cache.trim(n)
+    if isinstance(layer_cache, ConcatenateKVCache) and layer_cache.keys is not None:
+        layer_cache.keys = layer_cache.keys[..., : layer_cache.offset, :]
+        layer_cache.values = layer_cache.values[..., : layer_cache.offset, :]
+
+
 def keep_path(cache: list, start: int, path: list[int], size: int) -> None:
     """Moves the accepted path's keys and values (node indices from the root) to the front of the tree's `size`
     slots and drops the rest, so the cache holds the committed sequence only."""
@@ -309,7 +318,7 @@ def keep_path(cache: list, start: int, path: list[int], size: int) -> None:
                 for a in arrays if isinstance(arrays, tuple) else (arrays,):  # a quantized cache holds three
                     a[..., start : start + len(path), :] = a[..., index, :]
     for c in cache:
-        c.trim(size - len(path))
+        trim(c, size - len(path))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -400,13 +409,13 @@ def dflash_generate_step(
             return
         if states is None:
             for c in cache:
-                c.trim(num_rejected)  # drop the rejected tail: its keys came from wrong tokens
+                trim(c, num_rejected)  # drop the rejected tail: its keys came from wrong tokens
             return
         # recurrent state cannot be cropped: restore the pre-verify state and re-run the kept prefix
         restore_states(cache, states)
         for c in cache:
             if not isinstance(c, ArraysCache):
-                c.trim(block_size)
+                trim(c, block_size)
         model(kept[None], cache=cache)
 
     with mx.stream(generation_stream), capture_layer_outputs(model, layer_ids) as outputs:

@@ -560,6 +560,11 @@ def test_keep_path_compacts_every_cache_kind_to_the_accepted_path():
         got = keys[..., : cache.offset, :]
         assert cache.offset == start + len(path), type(cache).__name__
         assert float(mx.abs(got - expected).max()) < 0.02, type(cache).__name__  # 8-bit keys round
+        more = values[..., :1, :]  # the next round's update must attend to the kept keys and itself only
+        fetched, _ = cache.update_and_fetch(more, more)
+        if isinstance(cache, QuantizedKVCache):
+            fetched = fetched[0]
+        assert cache.offset == fetched.shape[-2] == start + len(path) + 1, type(cache).__name__
 
 
 @pytest.mark.parametrize("bits", [4, 8])
