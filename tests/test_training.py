@@ -110,6 +110,59 @@ def test_anchors_stay_in_the_response_and_labels_inside_the_sequence():
     assert loss_weights(8, 4.0)[0] == 1 and torch.allclose(loss_weights(8, 4.0)[3], torch.exp(torch.tensor(-0.75)))
 
 
+def test_dpace_weights_are_the_papers_suffix_sums_of_smoothed_prefix_products():
+    """w_k = sum_{j>=k} prod_{i<=j} ((1-a) q_i + a) over trained positions (arXiv 2605.18810, eq. for D-PACE)."""
+    from training.anchors import dpace_weights
+
+    q = torch.tensor([[0.9, 0.5, 0.2, 0.7], [0.3, 0.8, 0.6, 0.1]])
+    trained = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    alpha = 0.25
+    w = dpace_weights(q, trained, alpha)
+    for row in range(2):
+        n = int(trained[row].sum())
+        s = [(1 - alpha) * float(q[row, i]) + alpha for i in range(n)]
+        prefix = [torch.tensor(s[: j + 1]).prod().item() for j in range(n)]
+        expected = [sum(prefix[k:]) for k in range(n)] + [0.0] * (4 - n)
+        assert w[row].tolist() == pytest.approx(expected, rel=1e-6)
+    assert w[0, 0] > w[0, 1] > w[0, 2] > w[0, 3] > 0  # earlier positions gate every later one
+    assert torch.equal(dpace_weights(q, trained, 1.0)[0], torch.tensor([4.0, 3.0, 2.0, 1.0]))  # alpha 1: positions only
+    with pytest.raises(ValueError, match="alpha"):
+        dpace_weights(q, trained, 1.5)
+
+
+def test_dpace_loss_weights_each_label_by_the_drafts_own_confidence():
+    """With D-PACE, `block_loss` is sum_k w_k * CE_k per block, w from the draft's probability of each label."""
+    from training.anchors import dpace_weights
+
+    target = make_target("llama")
+    draft = tiny_draft(target)
+    batch = collate(random_sequences(2), pad_id=0)
+    run = lambda **kw: block_loss(draft, target, batch, num_anchors=3, generator=torch.Generator().manual_seed(0),
+                                  weights=loss_weights(4, 4.0), distill_weight=0.0, **kw)
+    captured, original = {}, torch.Tensor.log_softmax
+
+    def spy(logits, dim):  # the draft's log-probabilities, as the loss saw them
+        captured["log_probs"] = original(logits, dim)
+        return captured["log_probs"]
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "log_softmax", spy)
+        loss, _ = run(dpace_alpha=0.5)
+    log_probs = captured["log_probs"]
+    from training.trainer import target_pass
+
+    features, final = target_pass(target, batch["input_ids"], batch["lengths"], draft.config.target_layer_ids)
+    anchors, valid = sample_anchors(batch["loss_starts"], batch["lengths"], 3, torch.Generator().manual_seed(0), 4)
+    _, _, trained = block_inputs(batch["input_ids"], anchors, valid, batch["lengths"], 4, MASK_ID)
+    source = (anchors[..., None] + torch.arange(3)).clamp(max=39).flatten(1)
+    labels = target.lm_head(final).argmax(-1).gather(1, source).view(trained.shape).masked_fill(~trained, 0)
+    ce = -log_probs.gather(-1, labels[..., None])[..., 0]
+    w = dpace_weights(torch.exp(-ce), trained, 0.5)
+    assert float(loss) == pytest.approx(float((ce * w).sum() / trained.any(-1).sum()), rel=1e-5)
+    with torch.no_grad():
+        assert float(loss) != pytest.approx(float(run()[0]), rel=1e-3)  # the fixed decay gives another loss
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Training.
 
@@ -213,6 +266,23 @@ def test_labels_outside_the_loss_vocabulary_are_misses():
     _, metrics = block_loss(TeacherOracle(config, final_hidden), target, batch, num_anchors=30,
                             generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0), distill_weight=0.5, vocab=vocab)
     assert metrics["blocks"] > 0 and metrics["accuracy_1"] < 1.0 and metrics["tau"] < config.block_size
+
+
+def test_train_with_dpace_weights_reduces_the_training_loss(tmp_path):
+    target = make_target("llama", initializer_range=0.2)
+    draft, data = tiny_draft(target), random_sequences(4)
+    batch = collate(data, pad_id=0)
+
+    def loss_now():
+        with torch.no_grad():
+            return float(block_loss(draft, target, batch, num_anchors=4, generator=torch.Generator().manual_seed(0),
+                                    weights=loss_weights(4, 4.0), distill_weight=0.5, dpace_alpha=0.5)[0])
+
+    before = loss_now()
+    summary = train(draft, target, data, tmp_path, quick_config(max_steps=6, position_weights="dpace"), progress=False)
+    assert summary["step"] == 6 and loss_now() < before
+    with pytest.raises(ValueError, match="position_weights"):
+        train(tiny_draft(target), target, data, tmp_path / "bad", quick_config(position_weights="linear"), progress=False)
 
 
 def test_train_records_the_loss_vocabulary_in_the_draft_config(tmp_path):

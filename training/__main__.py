@@ -82,6 +82,9 @@ def parse_args(argv=None, features_only: bool = False) -> argparse.Namespace:
     o.add_argument("--max-steps", type=int, help="total steps (sets the cosine schedule); default epochs x batches")
     o.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
     o.add_argument("--gamma", type=float, help="loss weight decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8")
+    o.add_argument("--position-weights", choices=["decay", "dpace"], default=defaults.position_weights,
+                   help="block-position loss weights: 'decay' (fixed, --gamma) or 'dpace' (D-PACE, from the draft's confidence)")
+    o.add_argument("--dpace-alpha", type=float, default=defaults.dpace_alpha, help="D-PACE smoothing alpha in [0, 1]")
     o.add_argument("--distill-weight", type=float, default=defaults.distill_weight, help="weight of the soft-label loss (0..1)")
     o.add_argument("--updates-per-batch", type=int, default=defaults.updates_per_batch,
                    help="optimizer steps per target pass, each with fresh anchors (reuses the target's features)")
@@ -240,7 +243,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         num_anchors=args.num_anchors, anchor_stride=args.anchor_stride, batch_size=args.batch_size, learning_rate=args.learning_rate,
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, epochs=args.epochs, max_steps=args.max_steps,
-        grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight, label_source=args.label_source,
+        grad_clip=args.grad_clip, gamma=args.gamma, position_weights=args.position_weights, dpace_alpha=args.dpace_alpha,
+        distill_weight=args.distill_weight, label_source=args.label_source,
         train_vocab_size=args.train_vocab_size, updates_per_batch=args.updates_per_batch, precondition_fc=args.precondition_fc,
         schedule=args.schedule, decay_ratio=args.decay_ratio, mixed_precision=args.mixed_precision,
         bucket_by_length=args.bucket_by_length, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,

@@ -14,6 +14,20 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
+def dpace_weights(accept_prob: torch.Tensor, trained: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights (arXiv 2605.18810) over the last axis of `[..., B-1]` block positions.
+
+    With `s_k = (1 - alpha) * q_k + alpha` (q: the draft's probability of the label), `w_k = sum_{j >= k} prod_{i <= j} s_i`:
+    the gradient share of position `k` in the surrogate of expected accepted length. Untrained positions are no-ops in
+    the products and add nothing to the sums. Detached: the weights steer the cross-entropy, they are not trained.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"dpace alpha must be in [0, 1], got {alpha}")
+    smooth = torch.where(trained, (1 - alpha) * accept_prob.detach() + alpha, torch.ones_like(accept_prob))
+    prefix = smooth.cumprod(-1) * trained
+    return prefix.flip(-1).cumsum(-1).flip(-1) * trained
+
+
 def default_gamma(block_size: int) -> float:
     """The paper's values (7 for B=16, 5 for B=10, 4 for B=8), interpolated linearly elsewhere."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0))

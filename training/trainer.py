@@ -21,7 +21,7 @@ from configuration_dflash import DFlashConfig
 from generation_dflash import LayerFeatures, check_draft_fits_target, decoder_layers, draft_embedding
 from modeling_dflash import DFlashDraftModel
 
-from .anchors import additive_mask, anchor_attention_mask, block_inputs, default_gamma, loss_weights, sample_anchors
+from .anchors import additive_mask, anchor_attention_mask, block_inputs, default_gamma, dpace_weights, loss_weights, sample_anchors
 from .data import Sequence
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ class TrainConfig:
     max_steps: int | None = None
     grad_clip: float = 1.0
     gamma: float | None = None  # None: the paper's value for the block size
+    position_weights: str = "decay"  # "decay": exp(-(k-1)/gamma); "dpace": D-PACE weights from the draft's own confidence
+    dpace_alpha: float = 0.5  # D-PACE smoothing of each position's acceptance probability (the paper's default)
     distill_weight: float = 0.5  # 0: hard labels only; 1: soft labels only
     updates_per_batch: int = 1  # optimizer steps per target pass, each with fresh anchors (the target pass dominates on CPU)
     train_vocab_size: int | None = None  # train over the most frequent response tokens only (FR-Spec); None: all
@@ -201,7 +203,8 @@ def frequent_tokens(sequences: list[Sequence], size: int) -> torch.Tensor:
 def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch.Generator, weights: torch.Tensor,
                distill_weight: float, label_source: str = "target", vocab: torch.Tensor | None = None,
                target_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               greedy: torch.Tensor | None = None, anchor_stride: int | None = None) -> tuple[torch.Tensor, dict]:
+               greedy: torch.Tensor | None = None, anchor_stride: int | None = None,
+               dpace_alpha: float | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted block loss over `num_anchors` random blocks per sequence (0: dense, about one per `block_size`
     response tokens, or per `anchor_stride`), all in one draft pass.
 
@@ -211,6 +214,8 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     positions whose label lies outside `vocab` are left out of the loss but count as misses in the metrics.
     Returns the loss and metrics: `accuracy_1` (first drafted token right) and `tau` (teacher-forced acceptance
     length, bonus included, over blocks with all labels inside the sequence). `target_out` reuses a `target_pass`.
+    With `dpace_alpha`, D-PACE weights from the draft's probability of each hard label replace the fixed `weights`,
+    and the loss is a sum per block (the paper's reduction) rather than a weighted mean.
     """
     unwrapped = getattr(draft, "module", draft)  # DDP wraps the draft: its config and embedding are on `.module`
     config = unwrapped.config
@@ -243,8 +248,12 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     hard_ce = -log_probs.gather(-1, hard[..., None])[..., 0]
     soft_ce = -(teacher.softmax(-1) * log_probs).sum(-1) if distill_weight > 0 else torch.zeros_like(hard_ce)
     per_token = (1 - distill_weight) * hard_ce + distill_weight * soft_ce
-    w = weights.to(device)[None, None] * trained
-    loss = (per_token * w).sum() / w.sum().clamp(min=1e-6)
+    if dpace_alpha is None:
+        w = weights.to(device)[None, None] * trained
+        loss = (per_token * w).sum() / w.sum().clamp(min=1e-6)
+    else:
+        w = dpace_weights(torch.exp(-hard_ce.detach()), trained, dpace_alpha)
+        loss = (per_token * w).sum() / trained.any(-1).sum().clamp(min=1)
     proposed = logits.detach().argmax(-1)
     metrics = block_metrics(proposed if vocab is None else vocab[proposed], labels, in_sequence)
     return loss, {**metrics, "trained_blocks": int(valid.sum())}
@@ -463,6 +472,8 @@ def train(
                          "mask does not model causal or sliding-window layers")
     if config.mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {config.mixed_precision!r}")
+    if config.position_weights not in ("decay", "dpace"):
+        raise ValueError(f"position_weights must be 'decay' or 'dpace', got {config.position_weights!r}")
     if config.num_anchors < 0:
         raise ValueError(f"num_anchors must be positive, or 0 for dense anchors; got {config.num_anchors}")
     accelerator = accelerator or Accelerator()
@@ -539,7 +550,8 @@ def train(
             loss, metrics = block_loss(draft, target, batch,
                                        num_anchors=config.num_anchors, generator=generator, weights=weights,
                                        distill_weight=config.distill_weight, label_source=config.label_source, vocab=vocab,
-                                       target_out=target_out, greedy=greedy, anchor_stride=config.anchor_stride)
+                                       target_out=target_out, greedy=greedy, anchor_stride=config.anchor_stride,
+                                       dpace_alpha=config.dpace_alpha if config.position_weights == "dpace" else None)
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
         optimizer.step()
