@@ -50,10 +50,15 @@ class SpecGenerateOutput:
 # Checks: all run before any compute.
 
 
+def base_model(target):
+    """The target's decoder stack: `base_model_prefix`, else `model` (transformers 4.57's Gemma 3 names a prefix it lacks)."""
+    base = getattr(target, getattr(target, "base_model_prefix", "model"), None)
+    return base if hasattr(base, "layers") else getattr(target, "model", base)
+
+
 def decoder_layers(target) -> torch.nn.ModuleList:
     """The target's decoder layers (`target.model.layers` in the usual layout)."""
-    base = getattr(target, getattr(target, "base_model_prefix", "model"), None)
-    layers = getattr(base, "layers", None)
+    layers = getattr(base_model(target), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or target.get_output_embeddings() is None:
         raise ValueError(
             f"DFlash needs a decoder-only causal LM with `model.embed_tokens`, `model.layers` and `lm_head`; "

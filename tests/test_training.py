@@ -268,6 +268,48 @@ def test_labels_outside_the_loss_vocabulary_are_misses():
     assert metrics["blocks"] > 0 and metrics["accuracy_1"] < 1.0 and metrics["tau"] < config.block_size
 
 
+ROPE_LAYOUTS = {
+    "flat": ({"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}}, {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}),
+    "per layer type (Gemma 3)": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+                                 {"rope_type": "default", "rope_theta": 1e6}),
+    "top-level fields (transformers 4)": ({"rope_theta": 2e4, "rope_scaling": {"type": "linear", "factor": 4.0}},
+                                          {"rope_type": "linear", "rope_theta": 2e4, "factor": 4.0}),
+    "none": ({}, {"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+@pytest.mark.parametrize("layout", ROPE_LAYOUTS)
+def test_draft_rope_comes_from_every_layout_a_target_config_uses(layout):
+    from types import SimpleNamespace
+
+    from training.trainer import draft_rope_parameters
+
+    fields, expected = ROPE_LAYOUTS[layout]
+    assert draft_rope_parameters(SimpleNamespace(**fields)) == expected
+
+
+def test_a_draft_trains_and_decodes_exactly_for_a_sliding_window_gemma3_target(tmp_path):
+    """Gemma 3 keeps one RoPE per layer type; the draft is built from it, trains, and decodes past the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                              max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    target = Gemma3ForCausalLM(config).eval()
+    target.generation_config.eos_token_id = None
+    draft_config = build_draft_config(target, num_layers=2, target_layer_ids=[0, 2], block_size=4, mask_token_id=MASK_ID)
+    draft = new_draft(target, draft_config, init="target")
+    summary = train(draft, target, random_sequences(4), tmp_path, quick_config(max_steps=2), progress=False)
+    assert summary["step"] == 2
+    ids = torch.randint(4, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(1))
+    stats = draft.eval().spec_generate(target, ids, max_new_tokens=20, return_stats=True)  # 26 tokens > the window of 8
+    assert torch.equal(stats.output_ids, greedy_reference(target, ids, 20))
+    assert len(stats.acceptance_lengths) >= 1  # the draft proposed at least one block
+
+
 def test_train_with_dpace_weights_reduces_the_training_loss(tmp_path):
     target = make_target("llama", initializer_range=0.2)
     draft, data = tiny_draft(target), random_sequences(4)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from configuration_dflash import DFlashConfig
-from generation_dflash import LayerFeatures, check_draft_fits_target, decoder_layers, draft_embedding
+from generation_dflash import LayerFeatures, base_model, check_draft_fits_target, decoder_layers, draft_embedding
 from modeling_dflash import DFlashDraftModel
 
 from .anchors import additive_mask, anchor_attention_mask, block_inputs, default_gamma, dpace_weights, loss_weights, sample_anchors
@@ -78,13 +78,31 @@ def build_draft_config(
         num_hidden_layers=num_layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
         rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
-        rope_parameters=getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)},
+        rope_parameters=draft_rope_parameters(t),
         num_target_layers=num_target_layers, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
         block_size=block_size, tie_word_embeddings=False,
     )
     if mask_token_id is None:
         raise ValueError("a mask token id is required: pick a token the target never writes (e.g. an unused special token)")
     return config
+
+
+def draft_rope_parameters(text_config) -> dict:
+    """One RoPE for the draft's full-attention layers, from any layout a target config uses.
+
+    transformers 5 writes one `rope_parameters` dict, or one per layer type (Gemma 3:
+    `{"full_attention": ..., "sliding_attention": ...}`), of which the draft takes the full-attention one; older
+    configs give `rope_theta` and `rope_scaling` at the top level.
+    """
+    params = getattr(text_config, "rope_parameters", None)
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention") or next(iter(params.values()))
+    if not params:
+        scaling = getattr(text_config, "rope_scaling", None) or {}
+        params = {**scaling, "rope_theta": getattr(text_config, "rope_theta", 10000.0)}
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    return params
 
 
 def new_draft(target, config: DFlashConfig, *, init: str = "target", seed: int = 0) -> DFlashDraftModel:
@@ -116,7 +134,7 @@ def warm_start_from_target(draft: DFlashDraftModel, target) -> list[int]:
     hidden = draft.config.hidden_size
     draft.fc.weight.zero_()
     draft.fc.weight[:, -hidden:] = torch.eye(hidden)
-    base = getattr(target, target.base_model_prefix)
+    base = base_model(target)
     if getattr(base, "norm", None) is not None and base.norm.weight.shape == draft.norm.weight.shape:
         draft.norm.weight.copy_(base.norm.weight)
     draft.hidden_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
@@ -178,7 +196,7 @@ def collate(sequences: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
 def target_pass(target, input_ids: torch.Tensor, lengths: torch.Tensor, layer_ids: list[int]):
     """Context features `[b, L, len(ids) * H]` and the final normed hidden states `[b, L, H]` of the frozen target."""
     attention_mask = (torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]).long()
-    base = getattr(target, target.base_model_prefix)
+    base = base_model(target)
     with LayerFeatures(target, layer_ids) as features:
         out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return features.pop(), out.last_hidden_state
