@@ -121,6 +121,15 @@ class RollbackCache(DynamicCache):
             self.target(input_ids=kept, use_cache=True, logits_to_keep=1, **{self.cache_name: self})
 
 
+def refuse_caller_cache(target, passed: bool) -> None:
+    """A hybrid target rolls back in a cache DFlash builds itself; a static or passed cache is refused."""
+    if passed:
+        raise ValueError(
+            f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
+            "leave cache_implementation and past_key_values unset (a static or passed cache is not supported)"
+        )
+
+
 def hybrid_cache(target) -> DynamicCache:
     """A hybrid target's cache: transformers' own where it can roll a recurrent state back (5.25+), else a
     `RollbackCache`, which saves the states and re-runs the accepted tokens."""
@@ -172,11 +181,7 @@ def target_cache_for(
     if cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(f"cache_implementation={cache_implementation!r} is not supported; use 'dynamic' or 'static'")
     if is_hybrid(target):
-        if past_key_values is not None or cache_implementation == "static":
-            raise ValueError(
-                f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
-                "leave cache_implementation and past_key_values unset (a static or passed cache is not supported)"
-            )
+        refuse_caller_cache(target, past_key_values is not None or cache_implementation == "static")
         return hybrid_cache(target)
     if past_key_values is None and cache_implementation != "static":
         return DynamicCache()

@@ -51,7 +51,7 @@ class SpecGenerateOutput:
 
 
 def base_model(target):
-    """The target's decoder stack: `base_model_prefix`, else `model` (transformers 4.57's Gemma 3 names a prefix it lacks)."""
+    """The target's decoder stack: `base_model_prefix`, else `model` (4.57's Gemma 3 names a prefix it lacks)."""
     base = getattr(target, getattr(target, "base_model_prefix", "model"), None)
     return base if hasattr(base, "layers") else getattr(target, "model", base)
 

@@ -22,11 +22,15 @@ from transformers.generation.streamers import BaseStreamer
 
 try:
     from .batch_dflash import generate_batch
-    from .cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states
+    from .cache_dflash import (
+        RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states, refuse_caller_cache,
+    )
     from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from batch_dflash import generate_batch
-    from cache_dflash import RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states
+    from cache_dflash import (
+        RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states, refuse_caller_cache,
+    )
     from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -252,7 +256,7 @@ def assisted_generate(generate, target, call: dict):
             raise ValueError("transformers' own speculation_type='dflash' generator takes one sequence at a time")
         return generate_batch(target, draft, call, requested_block_size(draft, call))
     prompt_len = prompt_ids(call).shape[1]
-    rollback = hybrid_cache(target, call, builtin)
+    rollback = call_rollback_cache(target, call, builtin)
     dflash = DFlashCall(
         target,
         draft,
@@ -280,17 +284,14 @@ def assisted_generate(generate, target, call: dict):
     return truncate_output(result, dflash.stopping.stop_length or sequences.shape[1], prompt_len)
 
 
-def hybrid_cache(target, call: dict, builtin: bool) -> RollbackCache | None:
+def call_rollback_cache(target, call: dict, builtin: bool) -> RollbackCache | None:
     """For a hybrid target on a transformers whose cache cannot roll its states back, the `RollbackCache` this call
     runs on (put into the call); None otherwise (where it can, its assisted loop records `num_drafting_tokens`
     states per verify and crops back to one of them)."""
     if not is_hybrid(target):
         return None
-    if call.get("past_key_values", call.get("cache")) is not None or call.get("cache_implementation") is not None:
-        raise ValueError(
-            f"{type(target).__name__} keeps a recurrent state, which DFlash rolls back in a cache of its own: "
-            "leave cache_implementation and past_key_values unset"
-        )
+    passed = call.get("past_key_values", call.get("cache")) is not None or call.get("cache_implementation") is not None
+    refuse_caller_cache(target, passed)
     if records_recurrent_states():
         return None
     if builtin:
