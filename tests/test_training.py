@@ -731,12 +731,71 @@ def test_feature_cache_holds_the_target_pass_and_resumes_after_interruption(tmp_
     monkeypatch.setattr(features, "shard_tensors", real)
     built = []
     monkeypatch.setattr(features, "shard_tensors", lambda *a, **k: built.append(1) or real(*a, **k))
-    resumed = features.open_feature_cache(target, seqs, tmp_path / "resumed", [0, 2], shard_tokens=40, progress=False)
-    assert len(built) == len(straight.manifest["shards"]) - 2  # only the missing shards ran
+    resumed = features.open_feature_cache(target, seqs, tmp_path / "resumed", [0, 2], shard_tokens=25, progress=False)
+    assert len(built) == len(straight.manifest["shards"]) - 2  # only the missing shards ran, sized as the manifest records
+    assert resumed.manifest["shard_tokens"] == 40 and resumed.manifest["shards"] == straight.manifest["shards"]
     assert not list((tmp_path / "resumed").glob(".*"))  # no temporary file left behind
     for i in range(len(seqs)):
         for name, tensor in straight.sequence(i).items():
             assert torch.equal(resumed.sequence(i)[name], tensor), name
+
+
+def test_feature_cache_refuses_shards_that_do_not_tile_the_sequences(tmp_path):
+    import json
+
+    import training.features as features
+
+    seqs = random_sequences(6)
+    cache = features.build_feature_cache(make_target("llama"), seqs, tmp_path / "c", [0, 2], shard_tokens=40, progress=False)
+    shards = cache.manifest["shards"]
+    assert len(shards) >= 3
+    for broken in (shards[:1] + shards[2:], shards[:-1], [{**shards[0], "end": shards[0]["end"] + 1}] + shards[1:]):
+        (tmp_path / "c" / features.MANIFEST).write_text(json.dumps({**cache.manifest, "shards": broken}))
+        with pytest.raises(ValueError, match="corrupt"):
+            features.FeatureCache(tmp_path / "c")
+
+
+def test_two_feature_cache_builders_at_once_build_one_valid_cache(tmp_path, monkeypatch, capsys):
+    import threading
+
+    import training.features as features
+
+    target, seqs = make_target("llama"), random_sequences(6)
+    straight = features.build_feature_cache(target, seqs, tmp_path / "straight", [0, 2], shard_tokens=40, progress=False)
+    real, calls, first_running, release = features.shard_tensors, [], threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:  # the first builder pauses mid-build, holding the folder
+            first_running.set()
+            assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features, "shard_tensors", held)
+    results = {}
+
+    def build(name):
+        results[name] = features.build_feature_cache(target, seqs, tmp_path / "c", [0, 2], shard_tokens=40, progress=False)
+
+    first = threading.Thread(target=build, args=("first",), name="first")
+    second = threading.Thread(target=build, args=("second",), name="second")
+    first.start()
+    assert first_running.wait(30)
+    second.start()
+    second.join(1.0)
+    assert second.is_alive()  # waits on the lock instead of writing the same shards
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert set(results) == {"first", "second"}
+    assert calls == ["first"] * len(straight.manifest["shards"])  # the second builder found the work done
+    assert "being built by another process" in capsys.readouterr().err
+    cache = features.FeatureCache(tmp_path / "c")
+    assert cache.manifest["shards"] == straight.manifest["shards"]
+    for i in range(len(seqs)):
+        for name, tensor in straight.sequence(i).items():
+            assert torch.equal(cache.sequence(i)[name], tensor), name
+    assert not list((tmp_path / "c").glob(".*"))
 
 
 def test_feature_cache_refuses_another_run_and_a_short_disk(tmp_path, monkeypatch):

@@ -6,13 +6,18 @@ Per sequence the cache holds the read layers' features `[L, len(ids) * H]`, the 
 vocabulary (`-1` before the response, where the loss never looks), in bfloat16 safetensors shards beside
 `manifest.json`. The manifest records the target's weights hash, the layer ids, the pass dtype and a hash of the
 data; a cache that does not match the run is refused. Shards are written to a temporary name and renamed, and the
-manifest after them, so an interrupted build resumes at the first missing shard.
+manifest after them, so an interrupted build resumes where the last recorded shard ends. A build holds a lock on the
+folder: a second builder waits for the first, then finds the cache complete.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from .data import Sequence
 from .trainer import collate, data_hash, target_greedy, target_pass
 
 MANIFEST = "manifest.json"
+LOCK = "build.lock"
 FORMAT = 1
 STORE_DTYPE = torch.bfloat16
 
@@ -114,23 +120,58 @@ def shard_tensors(target, sequences: list[Sequence], layer_ids: list[int], batch
     }
 
 
+@contextlib.contextmanager
+def build_lock(cache_dir: Path):
+    """Holds the folder's build lock; a second builder waits here until the first has finished."""
+    with open(cache_dir / LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"the feature cache in {cache_dir} is being built by another process; waiting for it", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Writes a shard under a temporary name of its own, then renames it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def build_feature_cache(target, sequences: list[Sequence], cache_dir: Path, layer_ids: list[int], *, pad_id: int = 0,
                         batch_size: int = 8, shard_tokens: int = 1 << 18, progress: bool = True) -> "FeatureCache":
     """Runs the target over `sequences` and writes the cache to `cache_dir`, resuming a partial build of the same run.
 
     Refuses a folder holding another run's cache, or a disk without room for what is still to be written.
     """
-    from tqdm.auto import tqdm
-
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    with build_lock(cache_dir):
+        return build_locked(target, sequences, cache_dir, layer_ids, pad_id, batch_size, shard_tokens, progress)
+
+
+def build_locked(target, sequences, cache_dir, layer_ids, pad_id, batch_size, shard_tokens, progress) -> "FeatureCache":
+    from tqdm.auto import tqdm
+
     expected = expected_manifest(target, sequences, layer_ids, target.dtype)
     manifest_path = cache_dir / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {**expected, "shards": [], "complete": False}
     check_manifest(manifest, expected, cache_dir)
-    ranges = shard_ranges(sequences, shard_tokens)
-    todo = ranges[len(manifest["shards"]) :]
-    remaining = sum(len(s.input_ids) for a, b in todo for s in sequences[a:b])
+    if manifest["complete"]:  # another builder finished it while this one waited
+        return FeatureCache(cache_dir)
+    manifest.setdefault("shard_tokens", shard_tokens)
+    done = manifest["shards"][-1]["end"] if manifest["shards"] else 0
+    todo = [(a + done, b + done) for a, b in shard_ranges(sequences[done:], manifest["shard_tokens"])]
+    remaining = sum(len(s.input_ids) for s in sequences[done:])
     need = remaining * bytes_per_token(expected["hidden_size"], len(layer_ids))
     free = shutil.disk_usage(cache_dir).free
     if need > free:
@@ -139,9 +180,7 @@ def build_feature_cache(target, sequences: list[Sequence], cache_dir: Path, laye
     for a, b in todo:
         name = f"shard-{len(manifest['shards']):05d}.safetensors"
         tensors = shard_tensors(target, sequences[a:b], layer_ids, batch_size, pad_id)
-        tmp = cache_dir / f".{name}.tmp"
-        save_file(tensors, tmp)
-        os.replace(tmp, cache_dir / name)
+        save_shard(tensors, cache_dir / name)
         manifest["shards"].append({"file": name, "start": a, "end": b})
         write_json_atomic(manifest_path, manifest)
         bar.update(int(tensors["offsets"][-1]))
@@ -149,6 +188,19 @@ def build_feature_cache(target, sequences: list[Sequence], cache_dir: Path, laye
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)
     return FeatureCache(cache_dir)
+
+
+def check_coverage(shards: list[dict], rows: list[int], num_sequences: int, path: Path) -> None:
+    """Refuses a manifest whose shards do not tile `[0, num_sequences)` in order, each holding its recorded rows."""
+    end = 0
+    for shard, n in zip(shards, rows):
+        if shard["start"] != end or shard["end"] - shard["start"] != n:
+            raise ValueError(f"the feature cache in {path} is corrupt: {shard['file']} holds sequences "
+                             f"[{shard['start']}, {shard['end']}) ({n} rows) where sequence {end} comes next; delete it and rebuild")
+        end = shard["end"]
+    if end != num_sequences:
+        raise ValueError(f"the feature cache in {path} is corrupt: its shards end at sequence {end} of {num_sequences}; "
+                         "delete it and rebuild")
 
 
 class FeatureCache:
@@ -165,6 +217,7 @@ class FeatureCache:
         self.shards = [safe_open(self.path / s["file"], "pt") for s in self.manifest["shards"]]
         self.offsets = [f.get_tensor("offsets") for f in self.shards]
         self.loss_starts = [f.get_tensor("loss_starts") for f in self.shards]
+        check_coverage(self.manifest["shards"], [len(o) - 1 for o in self.offsets], self.manifest["num_sequences"], self.path)
         self.where = [(k, i - s["start"]) for k, s in enumerate(self.manifest["shards"]) for i in range(s["start"], s["end"])]
 
     def __len__(self) -> int:
