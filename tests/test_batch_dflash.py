@@ -296,6 +296,32 @@ def test_generate_samples_each_row_through_its_own_processors():
         assert p_value > 1e-4, f"row {row}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
 
 
+class SeenScores(StoppingCriteria):
+    """Records what each call's `scores` argument was; never stops."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(scores if scores is None else type(scores))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def test_stopping_criteria_get_the_scores_plain_batched_generate_gives_them():
+    """Plain `generate` hands its criteria the scores it collects for its output: None unless `output_scores` is set.
+    A batch returns sequences only, so it refuses `output_scores` and hands None, as plain batched `generate` does."""
+    target, draft = make_target("llama"), make_draft()
+    ids, mask = left_pad(PROMPTS)
+    common = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, do_sample=False)
+    plain, ours = SeenScores(), SeenScores()
+    target.generate(ids, **common, stopping_criteria=StoppingCriteriaList([plain]))
+    target.generate(ids, **common, assistant_model=draft, stopping_criteria=StoppingCriteriaList([ours]))
+    assert plain.seen and ours.seen and set(plain.seen) == set(ours.seen) == {None}
+    with pytest.raises(ValueError, match="sequences only"):
+        target.generate(ids, **common, assistant_model=draft, output_scores=True, return_dict_in_generate=True,
+                        stopping_criteria=StoppingCriteriaList([ours]))
+
+
 def test_generate_returns_a_batch_as_the_output_object_it_asked_for():
     target, draft = make_target("llama"), make_draft()
     ids, mask = left_pad(PROMPTS)
