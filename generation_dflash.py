@@ -548,7 +548,7 @@ def spec_generate(
     Exactness by dtype: in float32, greedy output is token-identical to plain greedy decoding. In bfloat16 or float16
     a verify pass over several tokens rounds differently from several one-token passes, so greedy output may leave
     plain greedy decoding of the same target, only where the target's top two logits are within a few units in the
-    last place of each other (a rounding tie; `bench.divergence` measures it, tested on the real target), as in vLLM
+    last place of each other (a rounding tie; `common.exactness` measures it, tested on the real target), as in vLLM
     and SGLang. Sampling keeps the target's distribution in every dtype (logits are sampled in float32).
 
     Args:

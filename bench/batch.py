@@ -18,7 +18,7 @@ import torch
 
 from bench.datasets import load_prompts
 from bench.harness import encode, truncate
-from bench.io import write_json_atomic, write_text_atomic
+from common.io import write_json_atomic, write_text_atomic
 from bench.report import save_figure
 
 

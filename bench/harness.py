@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from bench.divergence import divergence, first_difference
+from common.exactness import explained, first_difference
 from bench.methods import Context, Generation, Run, Unavailable, synchronize
 from configuration_dflash import first_stop
 
@@ -153,8 +153,8 @@ def mark_mismatches(ctx: Context, results: list[Turn], baseline: str) -> None:
             continue
         record.update(matches_plain=tokens == ref_tokens, first_mismatch=first_difference(tokens, ref_tokens))
         if tokens != ref_tokens and isinstance(ctx.target, torch.nn.Module):  # MLX targets: any difference fails
-            found = divergence(ctx.target, input_ids, tokens, ref_tokens)
-            record.update(logit_gap=found.gap, rounding_tie=found.rounding_tie)
+            found, tie = explained(ctx.target, input_ids, tokens, ref_tokens)
+            record.update(logit_gap=found.gap, rounding_tie=tie)
 
 
 def run_dataset(ctx: Context, variants: list[Variant], dataset: str, prompts: list[dict], max_new_tokens: int, baseline: str) -> list[dict]:

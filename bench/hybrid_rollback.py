@@ -19,7 +19,7 @@ import torch
 
 import cache_dflash
 import routing_dflash
-from bench.io import write_json_atomic
+from common.io import write_json_atomic
 from bench.run import environment
 from configuration_dflash import DFlashConfig
 from modeling_dflash import DFlashDraftModel

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.io import write_json_atomic
+from common.io import write_json_atomic
 from bench.run import environment
 from modeling_dflash import DFlashDraftModel
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from bench.datasets import BUILTIN, DATA_DIR
-from bench.io import write_jsonl_atomic
+from common.io import write_jsonl_atomic
 
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"

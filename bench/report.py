@@ -19,14 +19,15 @@ JSON schema (`schema_version` 2; keys are only ever added, under a new version; 
   `turn`, `input_tokens`, `output_tokens`, `seconds`, `tokens_per_second`, `ttft_seconds`, `acceptance_lengths`
   (per verify step), `peak_rss_mib`, `output_sha1`, `matches_plain`, `first_mismatch`, `logit_gap` (the target's
   gap between the two tokens at the first mismatch, one full pass over the shared prefix in its dtype) and
-  `rounding_tie` (that gap is within a few ulps in bfloat16/float16; `bench.divergence`). The comparison fields are
+  `rounding_tie` (that gap is within a few ulps in bfloat16/float16, and so is every later token of ours below the
+  target's argmax, teacher-forced over our whole output; `common.exactness`). The comparison fields are
   null when sampling, and for a later turn whose conversation already left the baseline's.
 """
 
 import io
 from collections import defaultdict
 
-from bench.io import write_bytes_atomic
+from common.io import write_bytes_atomic
 
 SCHEMA_VERSION = 2
 SUMMARY_KEYS = (

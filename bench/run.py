@@ -10,8 +10,8 @@ from pathlib import Path
 from bench import report
 from bench.datasets import BUILTIN, load_prompts
 from bench.harness import build_variants, run_dataset, warm_up
-from bench.io import write_json_atomic, write_text_atomic
-from bench.checks import check_decoding_args, check_model_path
+from common.io import write_json_atomic, write_text_atomic
+from common.checks import check_decoding_args, check_model_path
 from bench.methods import BLOCK_FREE, TORCH_METHODS, Context
 from default_target import DTYPES, resolve_dtype
 

@@ -16,8 +16,8 @@ import torch
 import transformers
 from transformers import AutoModel, TextStreamer
 
-from bench.checks import check_decoding_args, check_model_path
-from bench.divergence import divergence
+from common.checks import check_decoding_args, check_model_path
+from common.exactness import explained
 from default_target import DTYPES, load_default_target, resolve_dtype
 from generation_dflash import default_tree_budget
 
@@ -69,12 +69,12 @@ def comparison(target, ids, ours: torch.Tensor, plain: torch.Tensor, dtype: str,
     if temperature > 0:
         return "sampled (the same distribution as plain decoding, not the same tokens)"
     prompt_len = ids.shape[1]
-    found = divergence(target, ids[0].tolist(), ours[0, prompt_len:].tolist(), plain[0, prompt_len:].tolist())
+    found, tie = explained(target, ids[0].tolist(), ours[0, prompt_len:].tolist(), plain[0, prompt_len:].tolist())
     if found is None:
         return f"identical to plain greedy ({dtype})"
-    if found.rounding_tie:
+    if tie:
         return f"differs from plain greedy at {found.describe()}; --dtype float32 gives token-identical output"
-    return f"differs from plain greedy at {found.describe()}: a bug, please report it"
+    return f"differs from plain greedy at {found.describe()}, and not only at rounding ties: a bug, please report it"
 
 
 def main() -> None:

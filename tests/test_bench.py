@@ -289,21 +289,26 @@ def test_help_lists_the_methods_and_defaults(capsys):
 def test_bfloat16_divergences_fail_only_beyond_a_rounding_tie(model_dirs, prompts_file, tmp_path, monkeypatch):
     """The exit rule in reduced precision: a divergence at a rounding tie passes, any other fails (in float32 every
     divergence fails, tested above)."""
-    from bench import harness
-    from bench.divergence import Divergence
+    from common import exactness
+    from common.exactness import Divergence
 
     monkeypatch.setitem(methods.TORCH_METHODS, "wrong", wrong_method)
     argv = bench_args(model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "wrong", "--dtype", "bfloat16")
-    monkeypatch.setattr(harness, "divergence", lambda *a: Divergence(2, 0.125, 0.0625, "bfloat16"))  # 2 ulps
+    tie, far = Divergence(2, 0.125, 0.0625, "bfloat16"), Divergence(5, 2.0, 0.0625, "bfloat16")  # 2 and 32 ulps
+    monkeypatch.setattr(exactness, "divergence", lambda *a: tie)
+    monkeypatch.setattr(exactness, "worst_off_argmax", lambda *a: tie)
     assert main(argv) == 0
     row = next(r for r in json.loads((tmp_path / "results.json").read_text())["summary"] if r["method"] == "wrong")
     assert row["mismatches"] == row["samples"] and row["failures"] == 0 and row["max_logit_gap"] == 0.125
-    monkeypatch.setattr(harness, "divergence", lambda *a: Divergence(2, 2.0, 0.0625, "bfloat16"))  # 32 ulps
+    monkeypatch.setattr(exactness, "worst_off_argmax", lambda *a: far)  # a later token beyond a tie fails too
+    assert main(argv) == 1
+    monkeypatch.setattr(exactness, "worst_off_argmax", lambda *a: tie)
+    monkeypatch.setattr(exactness, "divergence", lambda *a: far)
     assert main(argv) == 1
 
 
 def test_divergence_measures_the_gap_under_one_full_pass():
-    from bench.divergence import TIE_ULPS, Divergence, divergence, ulp
+    from common.exactness import TIE_ULPS, Divergence, divergence, ulp
 
     target = make_target("llama", initializer_range=0.2)
     prompt = [5, 6, 7]
@@ -318,6 +323,39 @@ def test_divergence_measures_the_gap_under_one_full_pass():
     assert Divergence(2, TIE_ULPS * 0.125, 0.125, "bfloat16").rounding_tie
     assert not Divergence(2, TIE_ULPS * 0.125 + 0.01, 0.125, "bfloat16").rounding_tie
     assert ulp(20.0, torch.bfloat16) == 0.125 and ulp(0.3, torch.bfloat16) == 2**-7
+
+
+def tied_bf16_target(a: int, b: int):
+    """A bf16 target in which tokens `a` and `b` have one embedding and one head row: they tie everywhere, and
+    either leads to the same continuation."""
+    target = make_target("llama", initializer_range=0.2)
+    with torch.no_grad():
+        target.get_input_embeddings().weight[b] = target.get_input_embeddings().weight[a]
+        target.get_output_embeddings().weight[b] = target.get_output_embeddings().weight[a]
+    return target.to(torch.bfloat16)
+
+
+def test_the_oracle_checks_every_token_after_the_first_divergence():
+    """A rounding tie at the first divergence no longer vouches for the rest: the output is teacher-forced whole, and
+    a later token off the target's argmax fails."""
+    from common.exactness import divergence, explained, worst_off_argmax
+
+    prompt, probe = [5, 6, 7], make_target("llama", initializer_range=0.2).to(torch.bfloat16)
+    a = greedy_reference(probe, torch.tensor([prompt]), 12)[0, 3 + 2].item()
+    b = next(t for t in range(VOCAB - 1, 3, -1) if t != a)
+    target = tied_bf16_target(a, b)
+    plain = greedy_reference(target, torch.tensor([prompt]), 12)[0, 3:].tolist()
+    k = plain.index(a)
+    tied = plain[:k] + [b] + plain[k + 1 :]  # leaves plain at an exact tie, then goes on as plain does
+    assert worst_off_argmax(target, prompt, plain) is None
+    assert divergence(target, prompt, tied, plain).rounding_tie and explained(target, prompt, tied, plain)[1]
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + tied[:-1]])).logits[0, -1]
+    wrong = tied[:-1] + [int(logits.argmin())]  # the same tie, then a last token the target ranks lowest
+    assert divergence(target, prompt, wrong, plain).rounding_tie  # all the first-divergence check saw
+    found, tie = explained(target, prompt, wrong, plain)
+    worst = worst_off_argmax(target, prompt, wrong)
+    assert not tie and worst.index == len(wrong) - 1 and not worst.rounding_tie
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bench.io import write_json_atomic
+from common.io import write_json_atomic
 
 from .data import Sequence
 from .trainer import collate, data_hash, target_greedy, target_pass

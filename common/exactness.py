@@ -5,6 +5,10 @@ rounds differently from several one-token passes, so the two may part where the 
 rounding of each other. The test: one full forward of the target, in its own dtype, over the shared prefix; the two
 tokens' logits there must differ by at most `TIE_ULPS` units in the last place at their magnitude. A real bug (a wrong
 position, a stale cache) shows a large gap.
+
+After the first divergence the two outputs follow different prefixes, so the rest of ours is checked on its own
+(`worst_off_argmax`): one forward over our whole output, where every token must be the target's argmax at its
+position or within `TIE_ULPS` ulps of it.
 """
 
 import math
@@ -60,3 +64,32 @@ def divergence(target, prompt_ids: list[int], ours: list[int], plain: list[int])
     logits = target(input_ids=prefix, logits_to_keep=1).logits[0, -1].float()
     a, b = logits[ours[index]].item(), logits[plain[index]].item()
     return Divergence(index, abs(a - b), ulp(max(abs(a), abs(b)), dtype), name)
+
+
+@torch.no_grad()
+def worst_off_argmax(target, prompt_ids: list[int], ours: list[int]) -> Divergence | None:
+    """The position of `ours` (new tokens after `prompt_ids`) furthest, in ulps, below the target's argmax there,
+    teacher-forced in one pass over the whole output; None where every token is the argmax."""
+    if not ours:
+        return None
+    dtype = next(target.parameters()).dtype
+    ids = torch.tensor([prompt_ids + ours], device=target.device)
+    logits = target(input_ids=ids, logits_to_keep=len(ours) + 1).logits[0, :-1].float()
+    top = logits.max(dim=-1).values
+    own = logits.gather(1, torch.tensor(ours, device=logits.device)[:, None])[:, 0]
+    gaps = (top - own).tolist()
+    ulps = [ulp(abs(t), dtype) for t in top.tolist()]
+    index = max(range(len(ours)), key=lambda i: gaps[i] / ulps[i])
+    if gaps[index] == 0:
+        return None
+    return Divergence(index, gaps[index], ulps[index], str(dtype).removeprefix("torch."))
+
+
+def explained(target, prompt_ids: list[int], ours: list[int], plain: list[int]) -> tuple[Divergence | None, bool]:
+    """Where `ours` first leaves `plain`, and whether every difference is a rounding tie: there and, teacher-forced,
+    at every later token of ours."""
+    found = divergence(target, prompt_ids, ours, plain)
+    if found is None:
+        return None, True
+    worst = worst_off_argmax(target, prompt_ids, ours)
+    return found, found.rounding_tie and (worst is None or worst.rounding_tie)
