@@ -2,7 +2,8 @@
 
 An off-by-one here keeps output exact and only lowers acceptance, so no exactness test can see it: every route must
 feed the draft exactly the features of the committed tokens (layer `i + 1` of `hidden_states` for each target layer
-id), in order, whichever tree branch was accepted, after a hybrid target's rollback and through a compiled verify.
+id), in order, whichever tree branch was accepted, after a hybrid target's rollback, through a compiled verify and
+per row of a batch.
 """
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import OracleDraft, SecondChoiceDraft, greedy_reference, make_draft_config, make_target
+from test_batch_dflash import PROMPTS, BatchOracle, expected_rows, left_pad, row_ids_to_oracle  # noqa: F401 (a fixture)
 from test_hybrid_target import make_qwen3_5, needs_rollback
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])
@@ -109,3 +111,35 @@ def test_compiled_verify_compiles_once_and_feeds_the_right_features():
     # guards on the number of hooks (not on which closures they are), so it would cost one recompile
     for draft, recorder, out in runs:
         recorder.check(target, draft.config.target_layer_ids, out)
+
+
+def test_batch_feeds_each_rows_committed_tokens_features(monkeypatch, row_ids_to_oracle):
+    """Per row of a batch (left padding, rows accepting different k each round, so the cache holds holes), the
+    context the draft sees, its masked entries left out, is one full pass over that row's own committed tokens."""
+    import batch_dflash
+
+    target, block_size, max_new = make_target("qwen3"), 6, 30
+    references = [p + e for p, e in zip(PROMPTS, expected_rows(target, PROMPTS, max_new + block_size))]
+    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
+    fed = {row: [] for row in range(len(PROMPTS))}
+    original = batch_dflash.draft_block
+
+    def recording(draft_model, embed, head, rows, cache, size):
+        for i, row in enumerate(rows.ids.tolist()):
+            fed[row].append(rows.context[i][rows.context_keys[i]].clone())
+        return original(draft_model, embed, head, rows, cache, size)
+
+    monkeypatch.setattr(batch_dflash, "draft_block", recording)
+    ids, mask = left_pad(PROMPTS)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new, block_size=block_size,
+                              stop_token_ids=None)
+    assert any(len(set(ks.values())) > 1 for ks in draft.ks), "rows accepted different k in one round"
+    layers = draft.config.target_layer_ids
+    for row, prompt in enumerate(PROMPTS):
+        committed = torch.tensor([prompt + out[row, ids.shape[1] :].tolist()])
+        with torch.no_grad():
+            hidden = target(input_ids=committed, output_hidden_states=True).hidden_states
+        reference = torch.cat([hidden[i + 1] for i in layers], dim=-1)[0]
+        seen = torch.cat(fed[row])
+        assert len(prompt) + max_new - block_size <= seen.shape[0] < committed.shape[1], f"row {row}"
+        torch.testing.assert_close(seen, reference[: seen.shape[0]], atol=1e-4, rtol=1e-4, msg=f"row {row}")
