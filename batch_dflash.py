@@ -24,7 +24,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 try:
     from .cache_dflash import cache_kwarg, drop_last, is_hybrid
-    from .tree_dflash import DraftTree, check_tree_supported
     from .generation_dflash import (
         DraftHead,
         LayerFeatures,
@@ -37,9 +36,9 @@ try:
         sampling_warpers,
         stop_ids,
     )
+    from .tree_dflash import DraftTree, check_tree_supported
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
-    from tree_dflash import DraftTree, check_tree_supported
     from generation_dflash import (
         DraftHead,
         LayerFeatures,
@@ -52,6 +51,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         sampling_warpers,
         stop_ids,
     )
+    from tree_dflash import DraftTree, check_tree_supported
 
 
 def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -90,8 +90,10 @@ def refuse_batch_options(draft, target, final_length: int, **options) -> None:
     if draft.has_selector:
         raise ValueError("a DFlash 2 draft's selector walks one row; decode its prompts one at a time")
     if any(layer.self_attn.sliding_window for layer in draft.layers):
-        raise ValueError("the draft's sliding-window layers would count a row's rejected slots toward their window; "
-                         "decode the prompts one at a time")
+        raise ValueError(
+            "the draft's sliding-window layers would count a row's rejected slots toward their window; "
+            "decode the prompts one at a time"
+        )
     if is_hybrid(target):
         raise ValueError(f"the recurrent layers of {type(target).__name__} cannot skip a row's rejected tokens")
     check_tree_supported(target, 1, final_length, "batch", "decode the prompts one at a time")
@@ -194,9 +196,9 @@ class RowPicker:
     def row_scores(self, logits: torch.Tensor, row: int, output: list[int], drafted: torch.Tensor) -> torch.Tensor:
         prefix = torch.cat([self.prompts[row], torch.tensor(output, dtype=torch.long, device=logits.device), drafted])
         base = prefix.shape[0] - drafted.shape[0]
-        return torch.cat([
-            self.processors[row](prefix[None, : base + j], logits[j : j + 1].float()) for j in range(logits.shape[0])
-        ])
+        return torch.cat(
+            [self.processors[row](prefix[None, : base + j], logits[j : j + 1].float()) for j in range(logits.shape[0])]
+        )
 
 
 class CriteriaEnd(OutputEnd):
@@ -367,8 +369,18 @@ UNSUPPORTED_ARGUMENTS = {
     "prefix_allowed_tokens_fn": "its batch index would be lost: the loop calls processors one row at a time",
     "negative_prompt_ids": "classifier-free guidance runs a second, unconditional model per row",
 }
-CALL_ONLY = {"inputs", "input_ids", "attention_mask", "generation_config", "assistant_model", "streamer",
-             "logits_processor", "stopping_criteria", "tokenizer", "generator"}
+CALL_ONLY = {
+    "inputs",
+    "input_ids",
+    "attention_mask",
+    "generation_config",
+    "assistant_model",
+    "streamer",
+    "logits_processor",
+    "stopping_criteria",
+    "tokenizer",
+    "generator",
+}
 
 
 def generation_settings(target, call: dict):

@@ -19,13 +19,31 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
 try:
-    from .cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
-    from .cache_dflash import record_verify_states, static_length, target_cache_for
+    from .cache_dflash import (
+        RollbackCache,
+        cache_kwarg,
+        check_target_supported,
+        compact_cache,
+        drop_last,
+        is_hybrid,
+        record_verify_states,
+        static_length,
+        target_cache_for,
+    )
     from .configuration_dflash import check_fits_target, first_stop
     from .tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from cache_dflash import RollbackCache, cache_kwarg, check_target_supported, compact_cache, drop_last, is_hybrid
-    from cache_dflash import record_verify_states, static_length, target_cache_for
+    from cache_dflash import (
+        RollbackCache,
+        cache_kwarg,
+        check_target_supported,
+        compact_cache,
+        drop_last,
+        is_hybrid,
+        record_verify_states,
+        static_length,
+        target_cache_for,
+    )
     from configuration_dflash import check_fits_target, first_stop
     from tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 
@@ -147,10 +165,26 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
 # decoding settings a target's generation config may set that `spec_generate` does not apply (its own arguments
 # decide sampling; of the config it reads `eos_token_id` only)
 NOT_APPLIED = (
-    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
-    "sequence_bias", "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
-    "exponential_decay_length_penalty", "renormalize_logits",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "sequence_bias",
+    "min_length",
+    "min_new_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "exponential_decay_length_penalty",
+    "renormalize_logits",
 )
 
 
@@ -176,7 +210,11 @@ def check_schedule(schedule: str | None) -> None:
 
 
 def check_compile_request(
-    compile_verify: bool, cache_implementation: str | None, past_key_values, schedule: str, lookup: int = 0,
+    compile_verify: bool,
+    cache_implementation: str | None,
+    past_key_values,
+    schedule: str,
+    lookup: int = 0,
     tree_min_prob: float = 0.0,
 ) -> str | None:
     """The cache implementation of the call: a compiled verify needs fixed shapes, so a static cache (the default
@@ -185,8 +223,10 @@ def check_compile_request(
         return cache_implementation
     for name, value in (("prompt_lookup_num_tokens", lookup), ("tree_min_prob", tree_min_prob)):
         if value:
-            raise ValueError(f"compile_verify=True verifies one shape every round, and {name}={value} changes the "
-                             "verify's length by round (each new length would recompile); leave it unset")
+            raise ValueError(
+                f"compile_verify=True verifies one shape every round, and {name}={value} changes the "
+                "verify's length by round (each new length would recompile); leave it unset"
+            )
     if cache_implementation == "dynamic" or (past_key_values is not None and static_length(past_key_values) is None):
         raise ValueError(
             "compile_verify=True needs a static cache (fixed verify shapes); a dynamic cache grows every round"
@@ -609,12 +649,26 @@ def spec_generate(
     warn_generation_config_not_applied(target)
     if input_ids.shape[0] > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())):
         return self._batched_spec_generate(
-            target, input_ids, attention_mask, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-            temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size, return_stats=return_stats,
-            generator=generator, pad_token_id=pad_token_id, streamer=streamer,
+            target,
+            input_ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            block_size=block_size,
+            return_stats=return_stats,
+            generator=generator,
+            pad_token_id=pad_token_id,
+            streamer=streamer,
             block_size_schedule=None if block_size_schedule == "constant" else block_size_schedule,
-            tree_budget=tree_budget, tree_min_prob=tree_min_prob, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-            cache_implementation=cache_implementation, past_key_values=past_key_values, compile_verify=compile_verify,
+            tree_budget=tree_budget,
+            tree_min_prob=tree_min_prob,
+            prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+            cache_implementation=cache_implementation,
+            past_key_values=past_key_values,
+            compile_verify=compile_verify,
         )
     length = functools.partial(verified_length, input_ids.shape[1], max_new_tokens, block_size)
     if tree_budget is None:
@@ -622,7 +676,10 @@ def spec_generate(
     tree_budget = tree_budget or None
     if prompt_lookup_num_tokens is None and not compile_verify:  # a compiled verify wants one tree size
         prompt_lookup_num_tokens = default_tree_budget(
-            self, target, block_size_schedule, lambda n: length((tree_budget or block_size - 1) + n),
+            self,
+            target,
+            block_size_schedule,
+            lambda n: length((tree_budget or block_size - 1) + n),
             "prompt_lookup_num_tokens",
         )
     lookup = check_lookup_request(prompt_lookup_num_tokens, max_matching_ngram_size)

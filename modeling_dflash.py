@@ -2,7 +2,7 @@
 
 import copy
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,23 +18,24 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 try:
-    from .configuration_dflash import DFlashConfig, dflash2_settings
-    from .generation_dflash import refuse_generate as _refuse_generate
-    from .generation_dflash import quantize_int8 as _quantize_int8
-    from .generation_dflash import spec_generate as _spec_generate
     from .batch_dflash import batched_spec_generate as _batched_loop
-    from .routing_dflash import assisted_generate as _assisted_generate
+
     # imported here too: transformers 4.x copies a local repo's direct imports only
     from .cache_dflash import RollbackCache
+    from .configuration_dflash import DFlashConfig, dflash2_settings
+    from .generation_dflash import quantize_int8 as _quantize_int8
+    from .generation_dflash import refuse_generate as _refuse_generate
+    from .generation_dflash import spec_generate as _spec_generate
+    from .routing_dflash import assisted_generate as _assisted_generate
     from .tree_dflash import DraftTree
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from configuration_dflash import DFlashConfig, dflash2_settings
-    from generation_dflash import refuse_generate as _refuse_generate
-    from generation_dflash import quantize_int8 as _quantize_int8
-    from generation_dflash import spec_generate as _spec_generate
     from batch_dflash import batched_spec_generate as _batched_loop
-    from routing_dflash import assisted_generate as _assisted_generate
     from cache_dflash import RollbackCache
+    from configuration_dflash import DFlashConfig, dflash2_settings
+    from generation_dflash import quantize_int8 as _quantize_int8
+    from generation_dflash import refuse_generate as _refuse_generate
+    from generation_dflash import spec_generate as _spec_generate
+    from routing_dflash import assisted_generate as _assisted_generate
     from tree_dflash import DraftTree
 
 # transformers 5.x names the cache `cache`, 4.x `past_key_values`
@@ -187,8 +188,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         if getattr(self, "_int8_weights", False):  # refused before any file is written
-            raise ValueError("an int8_copy() cannot be saved (its packed fbgemm weights are not safetensors): save the "
-                             "float draft and call int8_copy() after loading it")
+            raise ValueError(
+                "an int8_copy() cannot be saved (its packed fbgemm weights are not safetensors): save the "
+                "float draft and call int8_copy() after loading it"
+            )
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @property
@@ -388,5 +391,10 @@ DFlashDraftModel.register_for_auto_class("AutoModel")
 DFlash2DraftModel.register_for_auto_class("AutoModel")
 
 __all__ = [
-    "DFlashDraftModel", "DFlash2DraftModel", "DFlashPreTrainedModel", "DFlashConfig", "DraftTree", "RollbackCache",
+    "DFlashDraftModel",
+    "DFlash2DraftModel",
+    "DFlashPreTrainedModel",
+    "DFlashConfig",
+    "DraftTree",
+    "RollbackCache",
 ]

@@ -23,13 +23,23 @@ from transformers.generation.streamers import BaseStreamer
 try:
     from .batch_dflash import generate_batch
     from .cache_dflash import (
-        RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states, refuse_caller_cache,
+        RollbackCache,
+        cache_kwarg,
+        drop_last,
+        is_hybrid,
+        records_recurrent_states,
+        refuse_caller_cache,
     )
     from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from batch_dflash import generate_batch
     from cache_dflash import (
-        RollbackCache, cache_kwarg, drop_last, is_hybrid, records_recurrent_states, refuse_caller_cache,
+        RollbackCache,
+        cache_kwarg,
+        drop_last,
+        is_hybrid,
+        records_recurrent_states,
+        refuse_caller_cache,
     )
     from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
 

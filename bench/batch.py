@@ -18,8 +18,8 @@ import torch
 
 from bench.datasets import load_prompts
 from bench.harness import encode, truncate
-from common.io import write_json_atomic, write_text_atomic
 from bench.report import save_figure
+from common.io import write_json_atomic, write_text_atomic
 
 
 def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,16 +31,16 @@ def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def timed(call) -> tuple[object, float]:
+def timed(call, *args, **kwargs) -> tuple[object, float]:
     start = time.perf_counter()
-    out = call()
+    out = call(*args, **kwargs)
     return out, time.perf_counter() - start
 
 
 def one_at_a_time(draft, target, prompts, max_new_tokens, stops) -> tuple[list[list[int]], float]:
     outputs, seconds = [], 0.0
     for ids in prompts:
-        out, took = timed(lambda: draft.spec_generate(target, ids, max_new_tokens=max_new_tokens))
+        out, took = timed(draft.spec_generate, target, ids, max_new_tokens=max_new_tokens)
         outputs.append(truncate(out[0, ids.shape[1] :].tolist(), stops, max_new_tokens))
         seconds += took
     return outputs, seconds
@@ -52,18 +52,31 @@ def batched(draft, target, prompts, batch_size, max_new_tokens, stops, pad) -> d
     for first in range(0, len(prompts), batch_size):
         group = prompts[first : first + batch_size]
         ids, mask = left_padded(group, pad)
-        plain, took = timed(lambda: target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                                    do_sample=False, pad_token_id=pad))
+        plain, took = timed(
+            target.generate, ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+        )
         result["plain"][0] += [truncate(row, stops, max_new_tokens) for row in plain[:, ids.shape[1] :].tolist()]
         result["plain"][1] += took
-        out, took = timed(lambda: draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens))
+        out, took = timed(draft.spec_generate, target, ids, attention_mask=mask, max_new_tokens=max_new_tokens)
         rows = [truncate(row, stops, max_new_tokens) for row in out[:, ids.shape[1] :].tolist()]
         result["dflash"][0] += rows
         result["dflash"][1] += took
         result["row_lengths"].append([len(r) for r in rows])
-        out, took = timed(lambda: draft._batched_spec_generate(  # the simple design: no holes, shortest acceptance
-            target, ids, mask, max_new_tokens=max_new_tokens, stop_token_ids=stops, temperature=0.0, top_p=1.0,
-            top_k=0, block_size=draft.config.block_size, return_stats=False, generator=None, align_rows=True))
+        out, took = timed(
+            draft._batched_spec_generate,  # the simple design: no holes, shortest acceptance
+            target,
+            ids,
+            mask,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stops,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=0,
+            block_size=draft.config.block_size,
+            return_stats=False,
+            generator=None,
+            align_rows=True,
+        )
         result["aligned"][0] += [truncate(row, stops, max_new_tokens) for row in out[:, ids.shape[1] :].tolist()]
         result["aligned"][1] += took
     return result
@@ -75,30 +88,37 @@ def tokens_per_second(rows: list[list[int]], seconds: float) -> float:
 
 def measure(target, tokenizer, draft, args, stops: list[int]) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    prompts = [encode(tokenizer, [{"role": "user", "content": row["turns"][0]}])
-               for name in args.dataset.split(",") for row in load_prompts(name, args.max_samples or None)]
+    prompts = [
+        encode(tokenizer, [{"role": "user", "content": row["turns"][0]}])
+        for name in args.dataset.split(",")
+        for row in load_prompts(name, args.max_samples or None)
+    ]
     draft.spec_generate(target, prompts[0], max_new_tokens=8)  # warm-up
     alone, alone_seconds = one_at_a_time(draft, target, prompts, args.max_new_tokens, stops)
     rows = []
     for size in args.batch_size:
         run = batched(draft, target, prompts, size, args.max_new_tokens, stops, pad)
         dflash, plain = run["dflash"], run["plain"]
-        rows.append({
-            "batch_size": size,
-            "dflash_tokens_per_second": tokens_per_second(*dflash),
-            "aligned_tokens_per_second": tokens_per_second(*run["aligned"]),
-            "plain_tokens_per_second": tokens_per_second(*plain),
-            "one_at_a_time_tokens_per_second": tokens_per_second(alone, alone_seconds),
-            "rows_differing_from_one_at_a_time": sum(a != b for a, b in zip(dflash[0], alone))
-            + sum(a != b for a, b in zip(run["aligned"][0], alone)),
-            "row_lengths": run["row_lengths"],
-        })
+        rows.append(
+            {
+                "batch_size": size,
+                "dflash_tokens_per_second": tokens_per_second(*dflash),
+                "aligned_tokens_per_second": tokens_per_second(*run["aligned"]),
+                "plain_tokens_per_second": tokens_per_second(*plain),
+                "one_at_a_time_tokens_per_second": tokens_per_second(alone, alone_seconds),
+                "rows_differing_from_one_at_a_time": sum(a != b for a, b in zip(dflash[0], alone))
+                + sum(a != b for a, b in zip(run["aligned"][0], alone)),
+                "row_lengths": run["row_lengths"],
+            }
+        )
     return {"prompts": len(prompts), "rows": rows}
 
 
 def table(result: dict) -> str:
-    lines = ["batch | DFlash tok/s | shortest-acceptance tok/s | plain batched tok/s | DFlash vs plain | "
-             "DFlash vs one prompt at a time | rows differing | shortest / longest row"]
+    lines = [
+        "batch | DFlash tok/s | shortest-acceptance tok/s | plain batched tok/s | DFlash vs plain | "
+        "DFlash vs one prompt at a time | rows differing | shortest / longest row"
+    ]
     for row in result["rows"]:
         lengths = [n for group in row["row_lengths"] for n in group]
         alone = row["one_at_a_time_tokens_per_second"]
@@ -109,7 +129,10 @@ def table(result: dict) -> str:
             f"{row['dflash_tokens_per_second'] / alone:29.2f}x | {row['rows_differing_from_one_at_a_time']:>14} | "
             f"{min(lengths)} / {max(lengths)}"
         )
-    lines.append(f"one prompt at a time (spec_generate, shipped defaults): {result['rows'][0]['one_at_a_time_tokens_per_second']:.2f} tok/s")
+    lines.append(
+        "one prompt at a time (spec_generate, shipped defaults): "
+        f"{result['rows'][0]['one_at_a_time_tokens_per_second']:.2f} tok/s"
+    )
     return "\n".join(lines)
 
 
@@ -119,11 +142,19 @@ def plot(result: dict, path) -> None:
     sizes = [row["batch_size"] for row in result["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, [r["dflash_tokens_per_second"] for r in result["rows"]], marker="o", label="DFlash, batched")
-    ax.plot(sizes, [r["aligned_tokens_per_second"] for r in result["rows"]], marker="o",
-            label="DFlash, batched, shortest acceptance")
+    ax.plot(
+        sizes,
+        [r["aligned_tokens_per_second"] for r in result["rows"]],
+        marker="o",
+        label="DFlash, batched, shortest acceptance",
+    )
     ax.plot(sizes, [r["plain_tokens_per_second"] for r in result["rows"]], marker="o", label="plain generate, batched")
-    ax.axhline(result["rows"][0]["one_at_a_time_tokens_per_second"], color="grey", linestyle="--",
-               label="DFlash, one prompt at a time")
+    ax.axhline(
+        result["rows"][0]["one_at_a_time_tokens_per_second"],
+        color="grey",
+        linestyle="--",
+        label="DFlash, one prompt at a time",
+    )
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.minorticks_off()
@@ -137,9 +168,13 @@ def run(args, argv: list[str], target, tokenizer, draft, stops: list[int]) -> in
     """Measures, writes results.json, summary.txt and throughput.png to `args.out`; 1 when a float32 row differs."""
     result = measure(target, tokenizer, draft, args, stops)
     differing = sum(r["rows_differing_from_one_at_a_time"] for r in result["rows"])
-    result.update(tool="bench --batch-size", command=["python", "-m", "bench", *argv], dtype=args.dtype,
-                  created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  exit_status=int(args.dtype == "float32" and differing > 0))
+    result.update(
+        tool="bench --batch-size",
+        command=["python", "-m", "bench", *argv],
+        dtype=args.dtype,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        exit_status=int(args.dtype == "float32" and differing > 0),
+    )
     write_json_atomic(args.out / "results.json", result)
     write_text_atomic(args.out / "summary.txt", table(result) + "\n")
     plot(result, args.out / "throughput.png")

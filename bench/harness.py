@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from common.exactness import explained, first_difference
 from bench.methods import Context, Generation, Run, Unavailable, synchronize
+from common.exactness import explained, first_difference
 from configuration_dflash import first_stop
 
 WARMUP_TOKENS = 16
@@ -84,7 +84,9 @@ def token_hash(tokens: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
-def measure_turn(ctx: Context, variant: Variant, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[dict, list[int]]:
+def measure_turn(
+    ctx: Context, variant: Variant, input_ids: torch.Tensor, max_new_tokens: int
+) -> tuple[dict, list[int]]:
     """One record (every per-turn figure) and the output tokens."""
     generation, seconds, peak = timed(variant.run, input_ids, max_new_tokens)
     tokens = truncate(generation.new_tokens, ctx.stop_token_ids, max_new_tokens)
@@ -131,7 +133,13 @@ def warm_up(ctx: Context, variants: list[Variant], prompt: dict, baseline: str) 
         except Exception as error:  # noqa: BLE001 - any failure of an optional method is reported, not fatal
             if variant.method == baseline:
                 raise
-            skipped.append({"method": variant.method, "block_size": variant.block_size, "reason": f"warm-up failed: {type(error).__name__}: {error}"})
+            skipped.append(
+                {
+                    "method": variant.method,
+                    "block_size": variant.block_size,
+                    "reason": f"warm-up failed: {type(error).__name__}: {error}",
+                }
+            )
     return ready, skipped
 
 
@@ -157,7 +165,9 @@ def mark_mismatches(ctx: Context, results: list[Turn], baseline: str) -> None:
             record.update(logit_gap=found.gap, rounding_tie=tie)
 
 
-def run_dataset(ctx: Context, variants: list[Variant], dataset: str, prompts: list[dict], max_new_tokens: int, baseline: str) -> list[dict]:
+def run_dataset(
+    ctx: Context, variants: list[Variant], dataset: str, prompts: list[dict], max_new_tokens: int, baseline: str
+) -> list[dict]:
     """Every variant on every prompt, interleaved; returns the records of this dataset."""
     results = []
     bar = tqdm(total=len(prompts) * len(variants), desc=dataset, unit="run")
@@ -171,7 +181,9 @@ def run_dataset(ctx: Context, variants: list[Variant], dataset: str, prompts: li
     return [dict(record, dataset=dataset) for record, _, _ in results]
 
 
-def build_variants(ctx: Context, factories: dict, methods: list[str], block_sizes: list[int], block_free: set[str]) -> tuple[list[Variant], list[dict]]:
+def build_variants(
+    ctx: Context, factories: dict, methods: list[str], block_sizes: list[int], block_free: set[str]
+) -> tuple[list[Variant], list[dict]]:
     """One variant per method and block size; methods that cannot run here are skipped with the reason."""
     variants, skipped = [], []
     for method in methods:

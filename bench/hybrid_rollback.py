@@ -9,8 +9,8 @@ equals plain greedy, per route; `--out` writes them as JSON.
 """
 
 import argparse
-import sys
 import contextlib
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -19,8 +19,8 @@ import torch
 
 import cache_dflash
 import routing_dflash
-from common.io import write_json_atomic
 from bench.run import environment
+from common.io import write_json_atomic
 from configuration_dflash import DFlashConfig
 from modeling_dflash import DFlashDraftModel
 
@@ -32,10 +32,21 @@ def tiny_qwen3_5():
 
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, layer_types=["linear_attention", "linear_attention", "linear_attention",
-                                               "full_attention"] * 2, max_position_embeddings=1024, pad_token_id=0)
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+    )
     target = Qwen3_5ForCausalLM(config).eval()
     target.generation_config.eos_token_id = None  # every route runs to max_new_tokens
     return target
@@ -43,9 +54,19 @@ def tiny_qwen3_5():
 
 def tiny_draft(target):
     torch.manual_seed(1)
-    config = DFlashConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, block_size=8,
-                          num_target_layers=target.config.num_hidden_layers, target_layer_ids=[1, 6], mask_token_id=1)
+    config = DFlashConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        block_size=8,
+        num_target_layers=target.config.num_hidden_layers,
+        target_layer_ids=[1, 6],
+        mask_token_id=1,
+    )
     return DFlashDraftModel(config).eval()
 
 
@@ -58,8 +79,14 @@ def counted_passes(target) -> list[int]:
 def run(route: str, target, draft, ids, max_new_tokens: int):
     if route == "spec_generate":
         return draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new_tokens)
-    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
-                           max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        assistant_model=draft,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
 
 
 @contextlib.contextmanager
@@ -85,8 +112,16 @@ def main(argv=None):
     draft = tiny_draft(target)
     seeds = [torch.Generator().manual_seed(i) for i in range(args.prompts)]
     prompts = [torch.randint(2, VOCAB, (1, 12), generator=seed) for seed in seeds]
-    plain = [target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             do_sample=False, pad_token_id=0) for ids in prompts]
+    plain = [
+        target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        for ids in prompts
+    ]
     passes = counted_passes(target)
     rows = []
     for route in ("spec_generate", "generate"):
@@ -98,14 +133,16 @@ def main(argv=None):
                 outs = [run(route, target, draft, ids, args.max_new_tokens) for ids in prompts]
                 seconds = time.perf_counter() - start
             exact = all(torch.equal(out, ref) for out, ref in zip(outs, plain))
-            rows.append({"route": route, "rollback": name, "target_passes": len(passes), "seconds": seconds,
-                         "exact": exact})
-            print(f"{route:14s} {name:9s} {len(passes):5d} target passes  {seconds:6.2f} s  "
-                  f"{'equals' if exact else 'DIFFERS FROM'} plain greedy")
+            rows.append(
+                {"route": route, "rollback": name, "target_passes": len(passes), "seconds": seconds, "exact": exact}
+            )
+            print(
+                f"{route:14s} {name:9s} {len(passes):5d} target passes  {seconds:6.2f} s  "
+                f"{'equals' if exact else 'DIFFERS FROM'} plain greedy"
+            )
     if args.out:
         command = " ".join(["python -m bench.hybrid_rollback", *(sys.argv[1:] if argv is None else argv)])
-        write_json_atomic(args.out, {"command": command,
-                                     "environment": environment(), "rows": rows})
+        write_json_atomic(args.out, {"command": command, "environment": environment(), "rows": rows})
     return 0 if all(r["exact"] for r in rows) else 1
 
 

@@ -8,15 +8,15 @@ ratio to fbgemm; `--out` writes them as JSON.
 """
 
 import argparse
-import sys
 import copy
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common.io import write_json_atomic
 from bench.run import environment
+from common.io import write_json_atomic
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,9 +114,16 @@ def main(argv=None):
     if args.out:
         environment_used = environment() | {"torchao": torchao_version()}
         command = " ".join(["python -m bench.int8_kernels", *(sys.argv[1:] if argv is None else argv)])
-        write_json_atomic(args.out, {"command": command,
-                                     "environment": environment_used, "tokens": args.tokens, "shapes": shapes,
-                                     "ms": timings})
+        write_json_atomic(
+            args.out,
+            {
+                "command": command,
+                "environment": environment_used,
+                "tokens": args.tokens,
+                "shapes": shapes,
+                "ms": timings,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -108,7 +108,12 @@ def hf_generate(ctx: Context, **extra) -> Run:
 
     def call(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         return ctx.target.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling, **extra
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            **sampling,
+            **extra,
         )
 
     return traced(ctx, call)
@@ -147,7 +152,9 @@ def plain(ctx: Context, block_size: int | None) -> Run:
     return hf_generate(ctx)
 
 
-def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constant", tree_budget: int | None = None, **options) -> Run:
+def spec_generate(
+    ctx: Context, block_size: int | None, schedule: str = "constant", tree_budget: int | None = None, **options
+) -> Run:
     """Our hand-written loop, `draft.spec_generate` (its config's defaults unless told); it reports acceptance
     lengths itself. `tree_budget`: 0 for the argmax chain, N for a draft tree of N nodes; `options` go to the call
     (a static cache, a compiled verify)."""
@@ -158,9 +165,17 @@ def spec_generate(ctx: Context, block_size: int | None, schedule: str = "constan
         generator.manual_seed(ctx.seed)
         with TargetTracer(ctx.target) as tracer:
             out = ctx.draft.spec_generate(
-                target=ctx.target, input_ids=input_ids, max_new_tokens=max_new_tokens, stop_token_ids=ctx.stop_token_ids,
-                temperature=ctx.temperature, block_size=block_size, return_stats=True, generator=generator,
-                block_size_schedule=schedule, tree_budget=tree_budget, **options,
+                target=ctx.target,
+                input_ids=input_ids,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=ctx.stop_token_ids,
+                temperature=ctx.temperature,
+                block_size=block_size,
+                return_stats=True,
+                generator=generator,
+                block_size_schedule=schedule,
+                tree_budget=tree_budget,
+                **options,
             )
         return Generation(out.output_ids[0, input_ids.shape[1] :].tolist(), out.acceptance_lengths, tracer.first_end)
 

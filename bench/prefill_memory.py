@@ -47,13 +47,26 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for variant in VARIANTS:
-        command = [sys.executable, "-m", "bench.prefill_memory", "--variant", variant,
-                   "--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads)]
-        rows.append(json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
+        command = [
+            sys.executable,
+            "-m",
+            "bench.prefill_memory",
+            "--variant",
+            variant,
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--threads",
+            str(args.threads),
+        ]
+        rows.append(
+            json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        )
     base = rows[0]["peak_rss_mib"]
     for row in rows:
-        print(f"{row['variant']:>26}: peak RSS {row['peak_rss_mib']:6d} MiB (+{row['peak_rss_mib'] - base} over loaded), "
-              f"{row['prompt_tokens']}-token prompt")
+        print(
+            f"{row['variant']:>26}: peak RSS {row['peak_rss_mib']:6d} MiB (+{row['peak_rss_mib'] - base} over loaded), "
+            f"{row['prompt_tokens']}-token prompt"
+        )
     return 0
 
 

@@ -31,9 +31,22 @@ from common.io import write_bytes_atomic
 
 SCHEMA_VERSION = 2
 SUMMARY_KEYS = (
-    "dataset", "method", "block_size", "samples", "output_tokens", "seconds", "tokens_per_second", "speedup",
-    "mean_acceptance_length", "acceptance_histogram", "mean_ttft_seconds", "peak_rss_mib", "mismatches", "failures",
-    "first_divergence", "max_logit_gap",
+    "dataset",
+    "method",
+    "block_size",
+    "samples",
+    "output_tokens",
+    "seconds",
+    "tokens_per_second",
+    "speedup",
+    "mean_acceptance_length",
+    "acceptance_histogram",
+    "mean_ttft_seconds",
+    "peak_rss_mib",
+    "mismatches",
+    "failures",
+    "first_divergence",
+    "max_logit_gap",
 )
 
 
@@ -55,9 +68,14 @@ def summarize_group(records: list[dict]) -> dict:
     gaps = [r["logit_gap"] for r in differing if r["logit_gap"] is not None]
     tokens, seconds = sum(r["output_tokens"] for r in records), sum(r["seconds"] for r in records)
     return {
-        "dataset": first["dataset"], "method": first["method"], "block_size": first["block_size"],
-        "samples": len(records), "output_tokens": tokens, "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0, "speedup": None,
+        "dataset": first["dataset"],
+        "method": first["method"],
+        "block_size": first["block_size"],
+        "samples": len(records),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "speedup": None,
         "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else None,
         "acceptance_histogram": histogram(lengths, first["block_size"]),
         "mean_ttft_seconds": sum(ttfts) / len(ttfts) if ttfts else None,
@@ -107,8 +125,9 @@ def one_line(row: dict) -> str:
     """gpt-fast-style summary of one method."""
     label = row["method"] if row["block_size"] is None else f"{row['method']} (block {row['block_size']})"
     return (
-        f"{row['dataset']} | {label}: {fmt(row['tokens_per_second'], '.2f')} tok/s, {fmt(row['speedup'], '.2f')}x vs plain, "
-        f"tokens per target pass {fmt(row['mean_acceptance_length'], '.2f')}, TTFT {fmt(row['mean_ttft_seconds'], '.3f')} s, "
+        f"{row['dataset']} | {label}: {fmt(row['tokens_per_second'], '.2f')} tok/s, "
+        f"{fmt(row['speedup'], '.2f')}x vs plain, tokens per target pass {fmt(row['mean_acceptance_length'], '.2f')}, "
+        f"TTFT {fmt(row['mean_ttft_seconds'], '.3f')} s, "
         f"peak RSS {row['peak_rss_mib']:.0f} MiB, outputs differing: {differ(row)}, first at token "
         f"{fmt(row['first_divergence'], 'd')}, largest logit gap there {fmt(row['max_logit_gap'], '.3g')}"
     )
@@ -116,11 +135,33 @@ def one_line(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     """A fixed-width table of the summary rows."""
-    header = ("dataset", "method", "block", "tok/s", "speedup", "tok/pass", "TTFT s", "RSS MiB", "differ", "1st div", "max gap")
+    header = (
+        "dataset",
+        "method",
+        "block",
+        "tok/s",
+        "speedup",
+        "tok/pass",
+        "TTFT s",
+        "RSS MiB",
+        "differ",
+        "1st div",
+        "max gap",
+    )
     lines = [
-        (r["dataset"], r["method"], fmt(r["block_size"], "d"), fmt(r["tokens_per_second"], ".2f"), fmt(r["speedup"], ".2f"),
-         fmt(r["mean_acceptance_length"], ".2f"), fmt(r["mean_ttft_seconds"], ".3f"), f"{r['peak_rss_mib']:.0f}",
-         differ(r), fmt(r["first_divergence"], "d"), fmt(r["max_logit_gap"], ".3g"))
+        (
+            r["dataset"],
+            r["method"],
+            fmt(r["block_size"], "d"),
+            fmt(r["tokens_per_second"], ".2f"),
+            fmt(r["speedup"], ".2f"),
+            fmt(r["mean_acceptance_length"], ".2f"),
+            fmt(r["mean_ttft_seconds"], ".3f"),
+            f"{r['peak_rss_mib']:.0f}",
+            differ(r),
+            fmt(r["first_divergence"], "d"),
+            fmt(r["max_logit_gap"], ".3g"),
+        )
         for r in rows
     ]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
@@ -145,14 +186,27 @@ def plot_histograms(rows: list[dict], path) -> None:
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     fig, axes = plt.subplots(len(datasets), 1, figsize=(8, 3 * len(datasets)), squeeze=False)
     for ax, dataset in zip(axes[:, 0], datasets):
-        spec = [r for r in rows if r["dataset"] == dataset and r["block_size"] is not None and sum(r["acceptance_histogram"])]
+        spec = [
+            r
+            for r in rows
+            if r["dataset"] == dataset and r["block_size"] is not None and sum(r["acceptance_histogram"])
+        ]
         width = 0.8 / max(len(spec), 1)
         for i, row in enumerate(spec):
             counts, total = row["acceptance_histogram"], sum(row["acceptance_histogram"])
             offset = (i - (len(spec) - 1) / 2) * width  # bar groups centred on each integer length
-            ax.bar([k + 1 + offset for k in range(len(counts))], [c / total for c in counts], width, label=f"{row['method']} b{row['block_size']}")
+            ax.bar(
+                [k + 1 + offset for k in range(len(counts))],
+                [c / total for c in counts],
+                width,
+                label=f"{row['method']} b{row['block_size']}",
+            )
         ax.set_xticks(range(1, max((len(r["acceptance_histogram"]) for r in spec), default=1) + 1))
-        ax.set(title=f"{dataset}: acceptance length (tokens per verify step, counting the bonus)", xlabel="acceptance length", ylabel="share of steps")
+        ax.set(
+            title=f"{dataset}: acceptance length (tokens per verify step, counting the bonus)",
+            xlabel="acceptance length",
+            ylabel="share of steps",
+        )
         if spec:
             ax.legend(fontsize="small")
     save_figure(fig, path)

@@ -26,8 +26,13 @@ from modeling_dflash import DFlashDraftModel
 
 from .step_costs import ROOT
 
-PARTS = {"draft_step": "draft", "propose": "tree", "prompt_lookup": "lookup", "pick_tokens": "accept",
-         "compact_cache": "compaction"}
+PARTS = {
+    "draft_step": "draft",
+    "propose": "tree",
+    "prompt_lookup": "lookup",
+    "pick_tokens": "accept",
+    "compact_cache": "compaction",
+}
 
 
 @contextmanager
@@ -47,7 +52,9 @@ def timed_parts(totals: dict[str, float]):
     originals = {name: getattr(generation_dflash, name) for name in [*PARTS, "verify_forward"]}
     for name, part in PARTS.items():
         setattr(generation_dflash, name, timing(originals[name], part))
-    generation_dflash.verify_forward = lambda target, compiled: timing(originals["verify_forward"](target, compiled), "verify")
+    generation_dflash.verify_forward = lambda target, compiled: timing(
+        originals["verify_forward"](target, compiled), "verify"
+    )
     try:
         yield totals
     finally:
@@ -63,7 +70,9 @@ def profile(target, draft, prompts: list[torch.Tensor], max_new_tokens: int) -> 
         target(ids, logits_to_keep=1)  # a prefill's cost, left out of both
         prefill_ms = (time.perf_counter() - start) * 1000
         start = time.perf_counter()
-        plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        plain = target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
         plain_ms += (time.perf_counter() - start) * 1000 - prefill_ms
         plain_tokens += plain.shape[1] - ids.shape[1]
         with timed_parts(totals):
@@ -80,9 +89,11 @@ def profile(target, draft, prompts: list[torch.Tensor], max_new_tokens: int) -> 
 
 def report(dtype, result: dict) -> str:
     step = result["decode_step"]
-    lines = [f"{dtype}: plain decode step {step:.1f} ms; DFlash round {result['round']:.1f} ms = "
-             f"{result['round'] / step:.2f} decode steps at tau {result['tau']:.2f} "
-             f"(about {result['tau'] * step / result['round']:.2f}x plain)"]
+    lines = [
+        f"{dtype}: plain decode step {step:.1f} ms; DFlash round {result['round']:.1f} ms = "
+        f"{result['round'] / step:.2f} decode steps at tau {result['tau']:.2f} "
+        f"(about {result['tau'] * step / result['round']:.2f}x plain)"
+    ]
     for part, ms in sorted(result["parts"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  {part:<11} {ms:6.2f} ms  {ms / step:5.2f} decode steps")
     beyond = result["round"] - result["parts"].get("verify", 0.0)
@@ -106,8 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     target, tokenizer = load_default_target(dtype)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype).eval()
     draft = draft.int8_copy() if args.draft_int8 else draft
-    prompts = [encode(tokenizer, [{"role": "user", "content": row["turns"][0]}])
-               for name in args.dataset.split(",") for row in load_prompts(name, args.max_samples)]
+    prompts = [
+        encode(tokenizer, [{"role": "user", "content": row["turns"][0]}])
+        for name in args.dataset.split(",")
+        for row in load_prompts(name, args.max_samples)
+    ]
     draft.spec_generate(target, prompts[0], max_new_tokens=8)  # warm-up
     print(report(dtype, profile(target, draft, prompts, args.max_new_tokens)))
 

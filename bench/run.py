@@ -10,9 +10,9 @@ from pathlib import Path
 from bench import report
 from bench.datasets import BUILTIN, load_prompts
 from bench.harness import build_variants, run_dataset, warm_up
-from common.io import write_json_atomic, write_text_atomic
-from common.checks import check_decoding_args, check_model_path
 from bench.methods import BLOCK_FREE, TORCH_METHODS, Context
+from common.checks import check_decoding_args, check_model_path
+from common.io import write_json_atomic, write_text_atomic
 from default_target import DTYPES, resolve_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -23,32 +23,64 @@ CONFIDENT = "spec-generate-confident"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    epilog = (f"methods (torch):\n  {', '.join(TORCH_METHODS)}\nmethods (mlx):\n  "
-              "mlx-plain, mlx-dflash, mlx-dflash-chain, mlx-dflash-tree")
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    epilog = (
+        f"methods (torch):\n  {', '.join(TORCH_METHODS)}\nmethods (mlx):\n  "
+        "mlx-plain, mlx-dflash, mlx-dflash-chain, mlx-dflash-tree"
+    )
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="DFlash draft folder (default: this repository's root)")
     p.add_argument("--dataset", default="mt-bench", help=f"comma-separated: {', '.join(BUILTIN)} or JSONL paths")
     p.add_argument("--max-samples", type=int, default=20, help="prompts per dataset (default 20; 0 for all)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per assistant turn (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy, the default (outputs are then checked against plain)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 for greedy, the default (outputs are then checked against plain)",
+    )
     p.add_argument("--block-size", type=int, help="draft block size (default: the draft's config)")
     p.add_argument("--sweep-block-size", help="comma-separated block sizes to compare, e.g. 2,4,8,16")
-    p.add_argument("--methods", help="comma-separated methods, listed below (default: all for the backend; the baseline "
-                   "is always run)")
-    p.add_argument("--tree-budget", default="16", help="comma-separated draft-tree budgets for spec-generate-tree "
-                   "and mlx-dflash-tree (default 16)")
-    p.add_argument("--tree-min-prob", type=float, default=0.2, help="spec-generate-confident's tree_min_prob (default 0.2)")
-    p.add_argument("--batch-size", help="comma-separated batch sizes, e.g. 1,4,16: throughput of batched DFlash and "
-                   "plain batched generate instead of the methods (bench.batch)")
-    p.add_argument("--backend", choices=sorted(BASELINE), default="torch", help="torch (default), or mlx for the MLX port")
-    p.add_argument("--out", type=Path, default=Path("results"), help="output folder for results.json and the plots (default results)")
+    p.add_argument(
+        "--methods",
+        help="comma-separated methods, listed below (default: all for the backend; the baseline is always run)",
+    )
+    p.add_argument(
+        "--tree-budget",
+        default="16",
+        help="comma-separated draft-tree budgets for spec-generate-tree and mlx-dflash-tree (default 16)",
+    )
+    p.add_argument(
+        "--tree-min-prob", type=float, default=0.2, help="spec-generate-confident's tree_min_prob (default 0.2)"
+    )
+    p.add_argument(
+        "--batch-size",
+        help="comma-separated batch sizes, e.g. 1,4,16: throughput of batched DFlash and "
+        "plain batched generate instead of the methods (bench.batch)",
+    )
+    p.add_argument(
+        "--backend", choices=sorted(BASELINE), default="torch", help="torch (default), or mlx for the MLX port"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        help="output folder for results.json and the plots (default results)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed reset before every generation (default 0)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="torch dtype of target and draft (default "
-                   "float32, where greedy output must be token-identical); auto: bfloat16 where the hardware multiplies "
-                   "it natively")
-    p.add_argument("--device", default="cpu", help="torch device of target and draft, e.g. cuda (torch backend; default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="torch dtype of target and draft (default "
+        "float32, where greedy output must be token-identical); auto: bfloat16 where the hardware multiplies "
+        "it natively",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="torch device of target and draft, e.g. cuda (torch backend; default cpu)"
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
     check_args(p, args)
@@ -67,7 +99,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     check_decoding_args(parser, args)
     if args.max_samples < 0:
         parser.error(f"--max-samples must be at least 0 (0 for all), got {args.max_samples}")
-    args.sweep_block_size = args.sweep_block_size and positive_ints(parser, "--sweep-block-size", args.sweep_block_size, 2)
+    args.sweep_block_size = args.sweep_block_size and positive_ints(
+        parser, "--sweep-block-size", args.sweep_block_size, 2
+    )
     args.tree_budget = positive_ints(parser, "--tree-budget", args.tree_budget, 1)
     args.batch_size = args.batch_size and positive_ints(parser, "--batch-size", args.batch_size, 1)
     if args.batch_size and (args.backend != "torch" or args.temperature > 0):
@@ -107,7 +141,10 @@ def load_torch_models(args: argparse.Namespace, need_draft: bool) -> tuple:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.target:
-        target, tokenizer = AutoModelForCausalLM.from_pretrained(args.target, dtype=args.dtype).eval(), AutoTokenizer.from_pretrained(args.target)
+        target, tokenizer = (
+            AutoModelForCausalLM.from_pretrained(args.target, dtype=args.dtype).eval(),
+            AutoTokenizer.from_pretrained(args.target),
+        )
     else:
         from default_target import load_default_target
 
@@ -156,9 +193,15 @@ def environment() -> dict:
     import torch
     import transformers
 
-    env = {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-           "cpu": cpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "torch_threads": torch.get_num_threads()}
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
     try:
         import mlx.core as mx
 
@@ -188,7 +231,9 @@ def parameter_count(model) -> int | None:
 
 def run_config(args: argparse.Namespace, sizes: list[int], methods: list[str]) -> dict:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return dict(config, block_sizes=sizes, methods=methods, datasets=args.dataset.split(","), baseline=BASELINE[args.backend])
+    return dict(
+        config, block_sizes=sizes, methods=methods, datasets=args.dataset.split(","), baseline=BASELINE[args.backend]
+    )
 
 
 def write_outputs(out: Path, result: dict) -> None:
@@ -215,17 +260,28 @@ def benchmark(args: argparse.Namespace, argv: list[str]) -> dict:
     variants, failed = warm_up(ctx, variants, next(iter(prompts.values()))[0], baseline)
     for reason in skipped + failed:
         print(f"skipped {reason['method']} (block {reason['block_size']}): {reason['reason']}", file=sys.stderr)
-    records = [r for name, ps in prompts.items() for r in run_dataset(ctx, variants, name, ps, args.max_new_tokens, baseline)]
+    records = [
+        r for name, ps in prompts.items() for r in run_dataset(ctx, variants, name, ps, args.max_new_tokens, baseline)
+    ]
     summary = report.summarize(records, baseline)
     return {
-        "schema_version": report.SCHEMA_VERSION, "tool": "bench",
+        "schema_version": report.SCHEMA_VERSION,
+        "tool": "bench",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["python", "-m", "bench", *argv],
         # a method asked for by name that could not run fails the run, as a differing output does
         "exit_status": int(report.total_failures(summary) > 0 or bool(args.methods and skipped + failed)),
-        "config": run_config(args, sizes, methods), "environment": environment(),
-        "models": {"target": args.target, "draft": args.draft, "target_parameters": parameter_count(target), "draft_parameters": parameter_count(draft)},
-        "skipped": skipped + failed, "summary": summary, "records": records,
+        "config": run_config(args, sizes, methods),
+        "environment": environment(),
+        "models": {
+            "target": args.target,
+            "draft": args.draft,
+            "target_parameters": parameter_count(target),
+            "draft_parameters": parameter_count(draft),
+        },
+        "skipped": skipped + failed,
+        "summary": summary,
+        "records": records,
     }
 
 
@@ -248,9 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     for row in result["summary"]:
         print(report.one_line(row))
     if failures := report.total_failures(result["summary"]):
-        print(f"FAIL: {failures} output(s) differ from plain greedy decoding other than at a rounding tie", file=sys.stderr)
+        print(
+            f"FAIL: {failures} output(s) differ from plain greedy decoding other than at a rounding tie",
+            file=sys.stderr,
+        )
     if args.methods and result["skipped"]:
         names = sorted({s["method"] for s in result["skipped"]})
-        print(f"FAIL: requested method(s) {', '.join(names)} could not run (reasons above and in results.json)", file=sys.stderr)
+        print(
+            f"FAIL: requested method(s) {', '.join(names)} could not run (reasons above and in results.json)",
+            file=sys.stderr,
+        )
     print(f"wrote {args.out / 'results.json'}, summary.txt, acceptance_histogram.png, speedup.png")
     return result["exit_status"]

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from default_target import DTYPES, load_default_target, resolve_dtype
 from cache_dflash import cache_kwarg, drop_last
-from generation_dflash import LayerFeatures, draft_embedding, DraftHead, draft_step
+from default_target import DTYPES, load_default_target, resolve_dtype
+from generation_dflash import DraftHead, LayerFeatures, draft_embedding, draft_step
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +44,16 @@ def prefilled(target, draft, context: int, new: int):
         target(input_ids=ids[:, :context], use_cache=True, **{name: target_cache})
         committed = features.pop()
     embed, head = draft_embedding(draft, target), DraftHead(draft, target.get_output_embeddings())
-    draft_step(draft, embed, head, ids[:, context - new : context - new + 1], committed[:, : context - new],
-                 context - new, draft_cache, 2)
+    draft_step(
+        draft,
+        embed,
+        head,
+        ids[:, context - new : context - new + 1],
+        committed[:, : context - new],
+        context - new,
+        draft_cache,
+        2,
+    )
     return target_cache, draft_cache, committed[:, context - new :], ids[:, context:], (embed, head)
 
 
@@ -88,8 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--context", type=int, default=64, help="committed tokens before the round")
     parser.add_argument("--accepted", type=int, default=1, help="drafted tokens the previous round kept")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of target and draft; auto: bfloat16 where "
-                        "the hardware multiplies it natively (default float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="of target and draft; auto: bfloat16 where the hardware multiplies it natively (default float32)",
+    )
     parser.add_argument("--target", help="target folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", default=str(ROOT), help="draft folder (default: this repository's root)")
     args = parser.parse_args(argv)
@@ -105,8 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     for block in (4, 8, 16):
         costs = round_costs(target, draft, block, args.context, args.accepted, args.repeats)
         total = costs["draft"] + costs["verify"]
-        print(f"block {block:2d} round: draft {costs['draft']:.1f} ms + verify and crop {costs['verify']:.1f} ms = "
-              f"{total:.1f} ms, {total / step:.2f} decode steps: break-even at tau {total / step:.2f}")
+        print(
+            f"block {block:2d} round: draft {costs['draft']:.1f} ms + verify and crop {costs['verify']:.1f} ms = "
+            f"{total:.1f} ms, {total / step:.2f} decode steps: break-even at tau {total / step:.2f}"
+        )
 
 
 if __name__ == "__main__":

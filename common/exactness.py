@@ -35,7 +35,8 @@ class Divergence:
         if self.gap is None:
             return f"token {self.index}: one output ends where the other goes on"
         kind = "a rounding tie" if self.rounding_tie else "NOT a rounding tie"
-        return f"token {self.index}: top-2 logit gap {self.gap:.3g} in {self.dtype} ({self.gap / self.ulp:.1f} ulp), {kind}"
+        ulps = self.gap / self.ulp
+        return f"token {self.index}: top-2 logit gap {self.gap:.3g} in {self.dtype} ({ulps:.1f} ulp), {kind}"
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

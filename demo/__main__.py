@@ -25,20 +25,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("prompt", nargs="?", default="Explain speculative decoding in one paragraph.")
     parser.add_argument("--draft", default=str(ROOT), help="DFlash draft folder (default: this repo)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, help="tokens per block (default: the draft's config, which ships the best measured)")
+    parser.add_argument(
+        "--block-size", type=int, help="tokens per block (default: the draft's config, which ships the best measured)"
+    )
     parser.add_argument("--block-size-schedule", choices=["constant", "heuristic"], default="constant")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=True,
-                        help="draft with its int8 copy (default; `draft.int8_copy()`: the draft's pass reads half the "
-                             "bfloat16 bytes, and output stays exact, as the target verifies every token)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="auto (default): bfloat16 where the hardware multiplies it natively, else float32, the "
-                             "token-exact mode")
+    parser.add_argument(
+        "--draft-int8",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draft with its int8 copy (default; `draft.int8_copy()`: the draft's pass reads half the "
+        "bfloat16 bytes, and output stays exact, as the target verifies every token)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto (default): bfloat16 where the hardware multiplies it natively, else float32, the token-exact mode",
+    )
     args = parser.parse_args(argv)
     check_args(parser, args)
     return args
@@ -60,8 +71,14 @@ def timed(fn):
 
 def plain_generate(target, tokenizer, ids, max_new_tokens: int, temperature: float) -> torch.Tensor:
     return target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-        temperature=temperature or None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature or None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
 
 
 def comparison(target, ids, ours: torch.Tensor, plain: torch.Tensor, dtype: str, temperature: float) -> str:
@@ -88,34 +105,55 @@ def main() -> None:
     tree_budget = default_tree_budget(draft, target, args.block_size_schedule)
     lookup = default_tree_budget(draft, target, args.block_size_schedule, name="prompt_lookup_num_tokens")
     messages = [{"role": "user", "content": args.prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], temperature=args.temperature)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+    common = dict(
+        max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], temperature=args.temperature
+    )
     draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, block_size=args.block_size)  # warm-up
     why = " (auto: this machine multiplies bf16 natively)" if args.dtype == "auto" and dtype != "float32" else ""
     print(f"dtype {dtype}{why}; transformers {transformers.__version__}, torch {torch.__version__}", flush=True)
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    stats, dflash_s = timed(lambda: draft.spec_generate(
-        target=target, input_ids=ids, block_size=args.block_size, block_size_schedule=args.block_size_schedule,
-        return_stats=True, streamer=streamer, **common))
+    stats, dflash_s = timed(
+        lambda: draft.spec_generate(
+            target=target,
+            input_ids=ids,
+            block_size=args.block_size,
+            block_size_schedule=args.block_size_schedule,
+            return_stats=True,
+            streamer=streamer,
+            **common,
+        )
+    )
     plain, plain_s = timed(lambda: plain_generate(target, tokenizer, ids, args.max_new_tokens, args.temperature))
     plain_new = plain.shape[1] - ids.shape[1]
     dflash_tps, plain_tps = stats.num_output_tokens / dflash_s, plain_new / plain_s
+    settings = ", ".join(
+        [f"block {args.block_size}", args.block_size_schedule]
+        + ([f"tree of {tree_budget}"] if tree_budget else [])
+        + ([f"lookup branch of {lookup}"] if lookup else [])
+        + [str(dtype)]
+        + (["int8 draft"] if args.draft_int8 else [])
+    )
     lines = [
         f"\nDFlash: {stats.num_output_tokens} tokens in {dflash_s:.2f} s = {dflash_tps:.1f} tok/s, "
-        f"mean acceptance length {stats.mean_acceptance_length:.2f} (block {args.block_size}, {args.block_size_schedule}"
-        f"{f', tree of {tree_budget}' if tree_budget else ''}{f', lookup branch of {lookup}' if lookup else ''}, {dtype}"
-        f"{', int8 draft' if args.draft_int8 else ''})",
+        f"mean acceptance length {stats.mean_acceptance_length:.2f} ({settings})",
         f"plain:  {plain_new} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s ({dtype})",
     ]
     if dtype != "float32":  # the exact mode's speed too, so both gains show
         exact_target, _ = load_default_target("float32")
         plain_generate(exact_target, tokenizer, ids, 4, args.temperature)  # warm-up
-        exact, exact_s = timed(lambda: plain_generate(exact_target, tokenizer, ids, args.max_new_tokens, args.temperature))
+        exact, exact_s = timed(
+            lambda: plain_generate(exact_target, tokenizer, ids, args.max_new_tokens, args.temperature)
+        )
         exact_new = exact.shape[1] - ids.shape[1]
         lines.append(f"plain:  {exact_new} tokens in {exact_s:.2f} s = {exact_new / exact_s:.1f} tok/s (float32)")
-    lines.append(f"speedup {dflash_tps / plain_tps:.2f}x over plain {dtype}; output "
-                 f"{comparison(target, ids, stats.output_ids, plain, dtype, args.temperature)}")
+    lines.append(
+        f"speedup {dflash_tps / plain_tps:.2f}x over plain {dtype}; output "
+        f"{comparison(target, ids, stats.output_ids, plain, dtype, args.temperature)}"
+    )
     print("\n".join(lines))
 
 

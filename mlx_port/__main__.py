@@ -13,7 +13,10 @@ USAGE = f"usage: python -m mlx_port {{{','.join(COMMANDS)}}} [options]  (--help 
 
 def main() -> None:
     if sys.argv[1:2] in (["-h"], ["--help"]):
-        print(f"{USAGE}\n\n  convert   convert (and quantize) a DFlash draft for MLX\n  generate  generate with an mlx-lm target and a DFlash draft")
+        print(
+            f"{USAGE}\n\n  convert   convert (and quantize) a DFlash draft for MLX\n"
+            "  generate  generate with an mlx-lm target and a DFlash draft"
+        )
         return
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         print(USAGE, file=sys.stderr)

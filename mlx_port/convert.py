@@ -1,6 +1,7 @@
 """Converts a DFlash draft (ours or the published z-lab layout) to an MLX folder, optionally quantized.
 
-    python -m mlx_port convert --hf-path DRAFT_DIR --mlx-path draft-mlx [-q --q-bits 4 --q-group-size 64] [--dtype bfloat16]
+    python -m mlx_port convert --hf-path DRAFT_DIR --mlx-path draft-mlx \
+        [-q --q-bits 4 --q-group-size 64] [--dtype bfloat16]
 
 The output keeps the DFlash config fields. Loading, quantizing and saving are mlx-lm's own functions; the draft
 class comes from `mlx_port.model`. Nothing is written at `--mlx-path` until the whole folder is complete.
@@ -11,7 +12,6 @@ import glob
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -33,9 +33,9 @@ def convert(
     hf_path: str,
     mlx_path: str = "mlx_model",
     quantize: bool = False,
-    q_group_size: Optional[int] = None,
-    q_bits: Optional[int] = None,
-    dtype: Optional[str] = None,
+    q_group_size: int | None = None,
+    q_bits: int | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Writes the converted draft to `mlx_path`, which must not exist yet; returns that path."""
     out = Path(mlx_path)

@@ -16,8 +16,9 @@ import argparse
 import contextlib
 import time
 import warnings
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator, Optional, Union
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,7 +59,7 @@ class GenerationResponse:
     generation_tokens: int
     generation_tps: float
     peak_memory: float
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def restore_states(cache: list, states: list) -> None:
             c.cache, c.left_padding, c.lengths = list(state[0]), state[1], state[2]
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, list[int], mx.array]) -> mx.array:
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> mx.array:
     """As mlx_lm's `stream_generate`: a string is tokenized (adding BOS unless present), token ids are kept."""
     if isinstance(prompt, mx.array):
         return prompt
@@ -204,7 +205,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, list[int], mx.
 # Draft trees: the nodes, their mask and positions, and the cache afterwards.
 
 
-def slot_scaling(model: nn.Module) -> Optional[str]:
+def slot_scaling(model: nn.Module) -> str | None:
     """The config key by which the target scales attention by cache offset (mlx-lm's llama4, ministral3, mistral4)."""
     args = vars(getattr(model, "args", None) or object())
     for fields in (args, args.get("rope_parameters") or {}, args.get("text_config") or {}):
@@ -214,7 +215,7 @@ def slot_scaling(model: nn.Module) -> Optional[str]:
     return None
 
 
-def tree_problem(model: nn.Module) -> Optional[str]:
+def tree_problem(model: nn.Module) -> str | None:
     """Why the target cannot verify a tree, if it cannot: each layer's attention must place a node by its `rope`,
     and nothing may scale attention by the cache offset, which for a tree node is not its position."""
     if key := slot_scaling(model):
@@ -226,8 +227,8 @@ def tree_problem(model: nn.Module) -> Optional[str]:
 
 
 def resolve_tree_settings(
-    draft: Model, model: nn.Module, recurrent: bool, tree_budget: Optional[int], lookup: Optional[int]
-) -> tuple[Optional[int], int]:
+    draft: Model, model: nn.Module, recurrent: bool, tree_budget: int | None, lookup: int | None
+) -> tuple[int | None, int]:
     """The round's tree budget (None: the chain) and lookup branch length (0: none). None follows the draft's
     config by torch's rule (`config_tree`), stepping aside with a warning where the target cannot verify a tree;
     an explicit setting the target cannot take is refused."""
@@ -238,15 +239,18 @@ def resolve_tree_settings(
                 draft.args.dflash_config.get(name), adaptive=False, selector=draft.has_selector, recurrent=recurrent
             )
             if nodes and (problem := tree_problem(model)):
-                warnings.warn(f"verifying the argmax chain instead of the draft config's {name}={nodes}: {problem}")
+                why = f"verifying the argmax chain instead of the draft config's {name}={nodes}: {problem}"
+                warnings.warn(why, stacklevel=3)
                 nodes = None
             settings.append(nodes)
             continue
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
             raise ValueError(f"{name} must be a non-negative integer (0: none), got {asked!r}")
         reason = (
-            "a DFlash 2 draft's selector walks one chain" if draft.has_selector
-            else "the target's recurrent state (ArraysCache) follows one path" if recurrent
+            "a DFlash 2 draft's selector walks one chain"
+            if draft.has_selector
+            else "the target's recurrent state (ArraysCache) follows one path"
+            if recurrent
             else tree_problem(model)
         )
         if asked and reason:
@@ -330,12 +334,12 @@ def dflash_generate_step(
     model: nn.Module,
     draft: Model,
     *,
-    block_size: Optional[int] = None,
-    sampler: Optional[Sampler] = None,
-    sliding_window_size: Optional[int] = None,
+    block_size: int | None = None,
+    sampler: Sampler | None = None,
+    sliding_window_size: int | None = None,
     prefill_step_size: int = 2048,
-    tree_budget: Optional[int] = None,
-    prompt_lookup_num_tokens: Optional[int] = None,
+    tree_budget: int | None = None,
+    prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int = 2,
 ) -> Generator[tuple[list[int], int], None, None]:
     """Yields `(tokens, accepted)` per round without end: first the prefill's token, then each verified block.
@@ -382,15 +386,17 @@ def dflash_generate_step(
         features.append(context_features(outputs, layer_ids))
         return sample(logits[0, -1:]), mx.concatenate(features, axis=1)
 
-    def draft_block(last: int, context: mx.array) -> Union[mx.array, DraftTree]:
+    def draft_block(last: int, context: mx.array) -> mx.array | DraftTree:
         """The round's draft: the chain's tokens, or the tree to verify."""
         hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)[:, 1:]
         if draft.has_selector:  # DFlash 2: a walk over the head's top-k, with the call's sampler (greedy at 0)
             return draft.candidate_selector.walk(head(hidden), hidden, mx.array([last]), sample)[0]
         if budget is None and not lookup:
             return mx.argmax(head(hidden), axis=-1)[0]
-        tree = best_first_tree(head(hidden)[0], budget) if budget else DraftTree.chain(
-            mx.argmax(head(hidden), axis=-1)[0].tolist()
+        tree = (
+            best_first_tree(head(hidden)[0], budget)
+            if budget
+            else DraftTree.chain(mx.argmax(head(hidden), axis=-1)[0].tolist())
         )
         return tree.with_branch(prompt_lookup(history, lookup, max_matching_ngram_size)) if lookup else tree
 
@@ -404,7 +410,7 @@ def dflash_generate_step(
         keep_path(cache, start, path, size)
         return [tree.node_token(node) for node in path[1:]] + [chosen[path[-1]]], features
 
-    def rewind(num_rejected: int, states: Optional[list], kept: mx.array) -> None:
+    def rewind(num_rejected: int, states: list | None, kept: mx.array) -> None:
         if num_rejected == 0:
             return
         if states is None:
@@ -450,16 +456,16 @@ def stream_generate(
     model: nn.Module,
     draft: Model,
     tokenizer: Any,
-    prompt: Union[str, list[int], mx.array],
+    prompt: str | list[int] | mx.array,
     *,
-    block_size: Optional[int] = None,
+    block_size: int | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
-    sampler: Optional[Sampler] = None,
-    sliding_window_size: Optional[int] = None,
+    sampler: Sampler | None = None,
+    sliding_window_size: int | None = None,
     prefill_step_size: int = 2048,
-    tree_budget: Optional[int] = None,
-    prompt_lookup_num_tokens: Optional[int] = None,
+    tree_budget: int | None = None,
+    prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int = 2,
 ) -> Generator[GenerationResponse, None, None]:
     """Generates with `model`, drafting blocks with `draft`; like mlx_lm's `stream_generate`, one response per round.
@@ -522,7 +528,7 @@ def stream_generate(
             steps.close()  # removes the layer hooks now, not when the generator is collected
 
 
-def generate(model: nn.Module, draft: Model, tokenizer: Any, prompt: Union[str, list[int], mx.array], **kwargs) -> str:
+def generate(model: nn.Module, draft: Model, tokenizer: Any, prompt: str | list[int] | mx.array, **kwargs) -> str:
     """The whole response text; `kwargs` go to `stream_generate`."""
     return "".join(r.text for r in stream_generate(model, draft, tokenizer, prompt, **kwargs))
 
@@ -556,16 +562,23 @@ def configure_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k (0: off).")
     parser.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p (0.0: off).")
     parser.add_argument(
-        "--block-size", type=int, default=None,
+        "--block-size",
+        type=int,
+        default=None,
         help=f"Tokens per draft block (default: the draft's; with a quantized target or draft at most "
-             f"{QUANTIZED_BLOCK_SIZE}, the MLX DFlash ports' advice from their measurements, which put the best block for quantized models at about 4-5).",
+        f"{QUANTIZED_BLOCK_SIZE}, the MLX DFlash ports' advice from their measurements, which put the best block for "
+        "quantized models at about 4-5).",
     )
     parser.add_argument(
-        "--tree-budget", type=int, default=None,
+        "--tree-budget",
+        type=int,
+        default=None,
         help="Drafted nodes of a best-first tree verified each round (0: the argmax chain; default: the draft's).",
     )
     parser.add_argument(
-        "--prompt-lookup-num-tokens", type=int, default=None,
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=None,
         help="Tokens of a prompt-lookup branch verified each round (0: none; default: the draft's config).",
     )
     parser.add_argument("--sliding-window-size", type=int, default=None, help="Bound on the draft's context cache.")
@@ -590,22 +603,31 @@ def main() -> None:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     block_size = args.block_size or default_block_size(model, draft)
     sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
-    kwargs = dict(block_size=block_size, max_tokens=args.max_tokens, sampler=sampler, tree_budget=args.tree_budget,
-                  prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)
+    kwargs = dict(
+        block_size=block_size,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        tree_budget=args.tree_budget,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+    )
     responses = []
     for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         print(r.text, end="", flush=True)
         responses.append(r)
     tau = sum(q.accepted + 1 for q in responses[1:]) / max(len(responses) - 1, 1)  # the first is the prefill's token
-    print(f"\nDFlash: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec, prompt {r.prompt_tps:.3f} "
-          f"tokens-per-sec, mean acceptance length {tau:.2f}, peak memory {r.peak_memory:.3f} GB")
+    print(
+        f"\nDFlash: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec, prompt {r.prompt_tps:.3f} "
+        f"tokens-per-sec, mean acceptance length {tau:.2f}, peak memory {r.peak_memory:.3f} GB"
+    )
     if args.compare:
         plain = list(plain_stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler))
         p = plain[-1]
         identical = [t for response in responses for t in response.tokens] == [q.token for q in plain]
         same = "identical" if identical else "different (expected when sampling)" if args.temp else "DIFFERENT"
-        print(f"mlx-lm: {p.generation_tokens} tokens, {p.generation_tps:.3f} tokens-per-sec; "
-              f"DFlash speed-up {r.generation_tps / p.generation_tps:.2f}x; output {same}")
+        print(
+            f"mlx-lm: {p.generation_tokens} tokens, {p.generation_tps:.3f} tokens-per-sec; "
+            f"DFlash speed-up {r.generation_tps / p.generation_tps:.2f}x; output {same}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Module names equal the checkpoint keys of the torch `DFlashDraftModel` (`fc`, `h
 so a raw Hugging Face draft folder and a converted one load through the same `Model` with a tiny `sanitize`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,25 +22,25 @@ from configuration_dflash import dflash2_settings
 class ModelArgs(qwen3.ModelArgs):
     """A Qwen3 config plus the DFlash fields, read as the published checkpoints store them."""
 
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     tie_word_embeddings: bool = False
     block_size: int = 16
-    num_target_layers: Optional[int] = None
-    dflash_config: Optional[dict] = None
+    num_target_layers: int | None = None
+    dflash_config: dict | None = None
     attention_bias: bool = False
     use_sliding_window: bool = False
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     max_window_layers: int = 28
-    layer_types: Optional[list] = None
-    is_causal: Optional[bool] = None  # top level, for all layers; absent: sliding layers causal, full ones not
-    input_embedding_scale: Optional[float] = None  # these three may also sit in `dflash_config` (`dflash_field`)
-    output_multiplier: Optional[float] = None
-    final_logit_softcapping: Optional[float] = None
-    architectures: Optional[list] = None
-    conv_kernel_size: Optional[int] = None  # DFlash 2; these four usually sit in `dflash_config`
-    conv_group_size: Optional[int] = None
-    selector_rank: Optional[int] = None
-    selector_top_k: Optional[int] = None
+    layer_types: list | None = None
+    is_causal: bool | None = None  # top level, for all layers; absent: sliding layers causal, full ones not
+    input_embedding_scale: float | None = None  # these three may also sit in `dflash_config` (`dflash_field`)
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    architectures: list | None = None
+    conv_kernel_size: int | None = None  # DFlash 2; these four usually sit in `dflash_config`
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self):
         super().__post_init__()  # reads `rope_theta` from `rope_parameters` in transformers-5 configs
@@ -64,11 +65,11 @@ class ModelArgs(qwen3.ModelArgs):
         return value if value is not None else getattr(self, name, default)
 
     @property
-    def mask_token_id(self) -> Optional[int]:
+    def mask_token_id(self) -> int | None:
         return self.dflash_config.get("mask_token_id")
 
 
-def draft_attention_mask(query_len: int, key_len: int, causal: bool, window: Optional[int]) -> Optional[mx.array]:
+def draft_attention_mask(query_len: int, key_len: int, causal: bool, window: int | None) -> mx.array | None:
     """Boolean `[q, k]` mask (True = visible) of one draft layer, as the torch draft's `draft_attention_mask`: the
     block's query `i` sits at key index `key_len - query_len + i`; causal layers hide later keys; a window hides keys
     `window` or more before the query, and as far after it in a non-causal layer. None when all are visible."""
@@ -110,7 +111,7 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: mx.array, n_heads: int) -> mx.array:
         return x.reshape(*x.shape[:2], n_heads, -1).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def __call__(self, x: mx.array, context: mx.array, cache: Any | None = None) -> mx.array:
         B, L, _ = x.shape
         n_ctx, start = context.shape[1], cache.offset if cache is not None else 0
         # the context skips `input_layernorm`: `hidden_norm` normed it already
@@ -139,7 +140,7 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def __call__(self, x: mx.array, context: mx.array, cache: Any | None = None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), context, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -159,9 +160,9 @@ class Model(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.sliding_window_size: Optional[int] = None  # set by `load_draft`; bounds the context cache
+        self.sliding_window_size: int | None = None  # set by `load_draft`; bounds the context cache
 
-    def __call__(self, noise_embeds: mx.array, target_hidden: mx.array, cache: Optional[list] = None) -> mx.array:
+    def __call__(self, noise_embeds: mx.array, target_hidden: mx.array, cache: list | None = None) -> mx.array:
         """
         noise_embeds: `[batch, block, hidden]`, the target's embedding of `[last token, mask, ..., mask]`.
         target_hidden: `[batch, ctx, len(target_layer_ids) * hidden]`, target features of the tokens committed since
@@ -177,7 +178,7 @@ class Model(nn.Module):
             h = layer(h, context, c)
         return self.norm(h)
 
-    def make_cache(self, sliding_window_size: Optional[int] = None) -> list:
+    def make_cache(self, sliding_window_size: int | None = None) -> list:
         """One context cache per layer, bounded by `sliding_window_size` and by a sliding layer's own window."""
         window = sliding_window_size or self.sliding_window_size
         caches = []
@@ -192,7 +193,7 @@ class Model(nn.Module):
         return {k: v for k, v in weights.items() if "rotary_emb" not in k}
 
     @property
-    def mask_token_id(self) -> Optional[int]:
+    def mask_token_id(self) -> int | None:
         return self.args.mask_token_id
 
     @property
@@ -213,7 +214,9 @@ class BlockConvolution(nn.Module):
         settings = dflash2_settings(args)
         self.taps, self.group_size = settings["conv_kernel_size"], settings["conv_group_size"]
         self.base_kernel = mx.zeros((2, self.taps, args.hidden_size))
-        self.kernel_projection = nn.Linear(args.hidden_size, 2 * self.taps * (args.hidden_size // self.group_size), bias=False)
+        self.kernel_projection = nn.Linear(
+            args.hidden_size, 2 * self.taps * (args.hidden_size // self.group_size), bias=False
+        )
 
     def before(self, x: mx.array) -> tuple[mx.array, mx.array]:
         dynamic = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.taps, -1)
@@ -225,7 +228,9 @@ class BlockConvolution(nn.Module):
 
     @staticmethod
     def convolve(x: mx.array, kernels: mx.array) -> mx.array:
-        """`out[i] = sum_t kernels[i, t] * x[i - t]`, zeros before the block; `kernels`: `[batch, block, taps, hidden]`."""
+        """`out[i] = sum_t kernels[i, t] * x[i - t]`, zeros before the block.
+
+        `kernels`: `[batch, block, taps, hidden]`."""
         out = kernels[:, :, 0] * x
         for tap in range(1, min(kernels.shape[2], x.shape[1])):
             out = out + kernels[:, :, tap] * mx.pad(x[:, :-tap], [(0, 0), (tap, 0), (0, 0)])
@@ -237,7 +242,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         super().__init__(args, layer_idx)
         self.attention_conv, self.mlp_conv = BlockConvolution(args), BlockConvolution(args)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def __call__(self, x: mx.array, context: mx.array, cache: Any | None = None) -> mx.array:
         attn_in, kernels = self.attention_conv.before(self.input_layernorm(x))
         h = x + self.attention_conv.after(self.self_attn(attn_in, context, cache), kernels)
         mlp_in, kernels = self.mlp_conv.before(self.post_attention_layernorm(h))
@@ -262,9 +267,13 @@ class CandidateSelector(nn.Module):
         unary = mx.take_along_axis(logits, candidates, axis=-1)
         context = self.predecessor_codebook[predecessor] * self.hidden_projection(hidden)
         pair = (context[:, None, :] * self.successor_codebook[candidates]).sum(axis=-1)
-        return mx.put_along_axis(mx.full(logits.shape, -mx.inf, dtype=logits.dtype), candidates, unary + pair.astype(logits.dtype), axis=-1)
+        return mx.put_along_axis(
+            mx.full(logits.shape, -mx.inf, dtype=logits.dtype), candidates, unary + pair.astype(logits.dtype), axis=-1
+        )
 
-    def walk(self, logits: mx.array, hidden: mx.array, anchor: mx.array, choose: Callable[[mx.array], mx.array]) -> mx.array:
+    def walk(
+        self, logits: mx.array, hidden: mx.array, anchor: mx.array, choose: Callable[[mx.array], mx.array]
+    ) -> mx.array:
         """The block's tokens `[batch, n]`, each chosen by `choose(scores) -> [batch]` given the one chosen before."""
         tokens, predecessor = [], anchor
         for i in range(logits.shape[1]):

@@ -3,7 +3,7 @@ targets through `mlx_lm.load` with the RoPE fields it reads."""
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import mlx_lm
 from huggingface_hub import hf_hub_download, snapshot_download
@@ -38,7 +38,7 @@ def load_draft_model(path: Path, lazy: bool = False) -> tuple[Model, dict]:
         raise ValueError(f"DFlash draft at {path} does not match the draft architecture: {e}") from e
 
 
-def load_draft(path_or_hf_repo: str, *, sliding_window_size: Optional[int] = None) -> Model:
+def load_draft(path_or_hf_repo: str, *, sliding_window_size: int | None = None) -> Model:
     """Loads a DFlash draft for `stream_generate`. `sliding_window_size` bounds its context cache (tokens)."""
     if sliding_window_size is not None and sliding_window_size < 1:
         raise ValueError(f"sliding_window_size must be at least 1, got {sliding_window_size}")
@@ -53,7 +53,7 @@ def target_config(path_or_hf_repo: str) -> dict:
     return json.loads(file.read_text())
 
 
-def load(path_or_hf_repo: str, model_config: Optional[dict] = None, **kwargs) -> Any:
+def load(path_or_hf_repo: str, model_config: dict | None = None, **kwargs) -> Any:
     """`mlx_lm.load` for a target, passing the RoPE fields of a transformers-5 config where mlx-lm would miss them
     (it would silently use base 10000); `model_config` entries win."""
     overrides = legacy_rope_fields(target_config(path_or_hf_repo)) | (model_config or {})

@@ -109,7 +109,11 @@ def float_linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
 def greedy_reference(target, input_ids, max_new_tokens: int) -> torch.Tensor:
     """Plain greedy decoding of the target (which has no EOS set, so it runs to `max_new_tokens`)."""
     return target.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
     )
 
 
@@ -140,7 +144,12 @@ class OracleDraft(DFlashDraftModel):
 
     def logits_at(self, position: int, offset: int) -> torch.Tensor:
         right = self.right_token(position)
-        return torch.nn.functional.one_hot(torch.tensor(right if offset <= self.k else (right + 1) % (VOCAB - 1)), VOCAB).float() * 50.0
+        return (
+            torch.nn.functional.one_hot(
+                torch.tensor(right if offset <= self.k else (right + 1) % (VOCAB - 1)), VOCAB
+            ).float()
+            * 50.0
+        )
 
 
 class SecondChoiceDraft(OracleDraft):
@@ -175,15 +184,24 @@ def exact_two_token_distribution(target, ids, processors) -> torch.Tensor:
     return exact_joint_distribution(target, ids, processors, 2).flatten()
 
 
-def sample_two_tokens(draft, target, ids, n: int, temperature: float, block_size: int = 4, new_tokens: int = 2,
-                      **kwargs) -> tuple[torch.Tensor, int]:
+def sample_two_tokens(
+    draft, target, ids, n: int, temperature: float, block_size: int = 4, new_tokens: int = 2, **kwargs
+) -> tuple[torch.Tensor, int]:
     """Counts of the last two of `new_tokens` tokens `spec_generate` samples in `n` runs, as a flat `[V * V]` table,
     and how many runs kept drafted tokens at every position counted in their first round (the first new token
     comes from the prefill, so 2 new tokens count one drafted position and 3 count two)."""
     g, counts, accepted = torch.Generator().manual_seed(0), torch.zeros(VOCAB * VOCAB), 0
     for _ in range(n):
-        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=new_tokens, temperature=temperature,
-                                    block_size=block_size, return_stats=True, generator=g, **kwargs)
+        stats = draft.spec_generate(
+            target=target,
+            input_ids=ids,
+            max_new_tokens=new_tokens,
+            temperature=temperature,
+            block_size=block_size,
+            return_stats=True,
+            generator=g,
+            **kwargs,
+        )
         t1, t2 = stats.output_ids[0, -2:].tolist()
         counts[t1 * VOCAB + t2] += 1
         accepted += stats.acceptance_lengths[0] >= new_tokens

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import (
     VOCAB,
     OracleDraft,
@@ -56,8 +55,15 @@ def test_every_row_equals_its_prompt_decoded_alone(arch, block_size):
     target, draft = make_target(arch), make_draft()
     ids, mask = left_pad(PROMPTS)
     expected = expected_rows(target, PROMPTS, 20)
-    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=20, block_size=block_size,
-                              stop_token_ids=None, return_stats=True)
+    out = draft.spec_generate(
+        target,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=20,
+        block_size=block_size,
+        stop_token_ids=None,
+        return_stats=True,
+    )
     assert out.output_ids.shape == (3, ids.shape[1] + 20)
     assert torch.equal(out.output_ids[:, : ids.shape[1]], ids), "the padded prompts come back as they went in"
     assert new_tokens(out.output_ids, ids.shape[1], [20] * 3) == expected
@@ -109,8 +115,15 @@ def test_rows_accept_different_prefixes_in_the_same_round_and_stay_exact(row_ids
     references = [p + e for p, e in zip(prompts, expected_rows(target, prompts, max_new + block_size))]
     draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
     ids, mask = left_pad(prompts)
-    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new, block_size=block_size,
-                              stop_token_ids=None, return_stats=True)
+    out = draft.spec_generate(
+        target,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        block_size=block_size,
+        stop_token_ids=None,
+        return_stats=True,
+    )
     assert new_tokens(out.output_ids, ids.shape[1], [max_new] * 3) == expected_rows(target, prompts, max_new)
     for row in range(3):
         rounds = [ks[row] for ks in draft.ks if row in ks]
@@ -126,7 +139,9 @@ def test_rows_that_stop_leave_the_batch_and_are_padded_after_their_end():
     stop = continuations[1][3]  # row 1 stops at its 4th new token; the others wherever this token comes, if at all
     expected = expected_rows(target, PROMPTS, 24, stop)
     sizes = []
-    target.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    target.register_forward_pre_hook(
+        lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     ids, mask = left_pad(PROMPTS)
     out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=24, stop_token_ids=[stop])
     width, lengths = ids.shape[1], [len(e) for e in expected]
@@ -150,8 +165,16 @@ def test_each_row_keeps_its_own_sampling_distribution():
     counts = torch.zeros(2, VOCAB * VOCAB)
     g = torch.Generator().manual_seed(0)
     for _ in range(n):
-        out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=2, temperature=temperature,
-                                  block_size=4, generator=g, stop_token_ids=None)
+        out = draft.spec_generate(
+            target,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=2,
+            temperature=temperature,
+            block_size=4,
+            generator=g,
+            stop_token_ids=None,
+        )
         for row, (t1, t2) in enumerate(out[:, -2:].tolist()):
             counts[row, t1 * VOCAB + t2] += 1
     for row in range(2):
@@ -163,9 +186,20 @@ def test_rows_held_to_the_shortest_acceptance_stay_exact():
     """The benchmark's simple alternative: every row commits the batch's shortest accepted prefix each round."""
     target, draft = make_target("qwen3"), make_draft()
     ids, mask = left_pad(PROMPTS)
-    out = draft._batched_spec_generate(target, ids, mask, max_new_tokens=16, stop_token_ids=None, temperature=0.0,
-                                       top_p=1.0, top_k=0, block_size=4, return_stats=True, generator=None,
-                                       align_rows=True)
+    out = draft._batched_spec_generate(
+        target,
+        ids,
+        mask,
+        max_new_tokens=16,
+        stop_token_ids=None,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        block_size=4,
+        return_stats=True,
+        generator=None,
+        align_rows=True,
+    )
     assert new_tokens(out.output_ids, ids.shape[1], [16] * 3) == expected_rows(target, PROMPTS, 16)
     assert out.acceptance_lengths[0] == out.acceptance_lengths[1] == out.acceptance_lengths[2]
 
@@ -286,8 +320,17 @@ def test_generate_samples_each_row_through_its_own_processors():
     counts = torch.zeros(2, VOCAB * VOCAB)
     torch.manual_seed(0)
     for _ in range(n):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=2, do_sample=True,
-                              temperature=0.8, top_k=0, pad_token_id=PAD, logits_processor=[BanLast()])
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            max_new_tokens=2,
+            do_sample=True,
+            temperature=0.8,
+            top_k=0,
+            pad_token_id=PAD,
+            logits_processor=[BanLast()],
+        )
         for row, (t1, t2) in enumerate(out[:, -2:].tolist()):
             counts[row, t1 * VOCAB + t2] += 1
     for row in range(2):
@@ -318,14 +361,26 @@ def test_stopping_criteria_get_the_scores_plain_batched_generate_gives_them():
     target.generate(ids, **common, assistant_model=draft, stopping_criteria=StoppingCriteriaList([ours]))
     assert plain.seen and ours.seen and set(plain.seen) == set(ours.seen) == {None}
     with pytest.raises(ValueError, match="sequences only"):
-        target.generate(ids, **common, assistant_model=draft, output_scores=True, return_dict_in_generate=True,
-                        stopping_criteria=StoppingCriteriaList([ours]))
+        target.generate(
+            ids,
+            **common,
+            assistant_model=draft,
+            output_scores=True,
+            return_dict_in_generate=True,
+            stopping_criteria=StoppingCriteriaList([ours]),
+        )
 
 
 def test_generate_returns_a_batch_as_the_output_object_it_asked_for():
     target, draft = make_target("llama"), make_draft()
     ids, mask = left_pad(PROMPTS)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=6, pad_token_id=PAD,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        max_new_tokens=6,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+    )
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
     assert torch.equal(out.sequences, plain)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import ROOT, VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
@@ -14,11 +15,13 @@ from bench.harness import first_difference, truncate
 from bench.methods import Generation, TargetTracer
 from bench.mlx_methods import MLX_METHODS
 from bench.run import main
-from conftest import ROOT, VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config, make_target
 from modeling_dflash import DFlashDraftModel
 
 CHARS = " abcdefghijklmnopqrstuvwxyz.,?!'\n<>/0123456789"
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -54,17 +57,43 @@ def prompts_file(tmp_path_factory):
 
 def bench_args(model_dirs, prompts_file, out, *extra) -> list[str]:
     target, draft = model_dirs
-    return ["--target", str(target), "--draft", str(draft), "--dataset", str(prompts_file), "--max-new-tokens", "12",
-            "--out", str(out), "--threads", "1", *extra]
+    return [
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--dataset",
+        str(prompts_file),
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def sweep_result(model_dirs, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    status = main(bench_args(model_dirs, prompts_file, out, "--sweep-block-size", "2,4", "--methods",
-                             "plain,spec-generate,spec-generate-static,spec-generate-tree,spec-generate-confident,prompt-lookup,hf-dflash,assisted",
-                             "--tree-budget", "2,8", "--tree-min-prob", "0.3",
-                             "--device", "cpu"))
+    status = main(
+        bench_args(
+            model_dirs,
+            prompts_file,
+            out,
+            "--sweep-block-size",
+            "2,4",
+            "--methods",
+            "plain,spec-generate,spec-generate-static,spec-generate-tree,spec-generate-confident,prompt-lookup,hf-dflash,assisted",
+            "--tree-budget",
+            "2,8",
+            "--tree-min-prob",
+            "0.3",
+            "--device",
+            "cpu",
+        )
+    )
     return status, out, json.loads((out / "results.json").read_text())
 
 
@@ -85,18 +114,46 @@ def test_end_to_end_lossless(sweep_result):
     methods_run = {r["method"] for r in result["records"]}
     skipped = {s["method"] for s in result["skipped"]}
     assert {"assisted", "hf-dflash"} <= methods_run | skipped  # each either ran losslessly or says why not
-    assert ("hf-dflash" in methods_run) == hasattr(GenerationConfig(), "speculation_type")  # wherever transformers has it
+    assert ("hf-dflash" in methods_run) == hasattr(
+        GenerationConfig(), "speculation_type"
+    )  # wherever transformers has it
 
 
 def test_json_schema_is_stable(sweep_result):
     _, _, result = sweep_result
     assert result["schema_version"] == report.SCHEMA_VERSION == 2
-    assert set(result) == {"schema_version", "tool", "created", "command", "exit_status", "config", "environment", "models", "skipped", "summary", "records"}
+    assert set(result) == {
+        "schema_version",
+        "tool",
+        "created",
+        "command",
+        "exit_status",
+        "config",
+        "environment",
+        "models",
+        "skipped",
+        "summary",
+        "records",
+    }
     assert set(result["summary"][0]) == set(report.SUMMARY_KEYS)
     assert set(result["records"][0]) == {
-        "dataset", "method", "block_size", "prompt_id", "turn", "input_tokens", "output_tokens", "seconds", "tokens_per_second",
-        "ttft_seconds", "acceptance_lengths", "peak_rss_mib", "output_sha1", "matches_plain", "first_mismatch",
-        "logit_gap", "rounding_tie",
+        "dataset",
+        "method",
+        "block_size",
+        "prompt_id",
+        "turn",
+        "input_tokens",
+        "output_tokens",
+        "seconds",
+        "tokens_per_second",
+        "ttft_seconds",
+        "acceptance_lengths",
+        "peak_rss_mib",
+        "output_sha1",
+        "matches_plain",
+        "first_mismatch",
+        "logit_gap",
+        "rounding_tie",
     }
     assert result["config"]["seed"] == 0 and result["config"]["block_sizes"] == [2, 4]
     # three turns (two-turn prompt plus one-turn prompt) per method and block size
@@ -196,9 +253,12 @@ def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path, monkeypatch,
     port = pytest.importorskip("mlx_port")
     calls = []
     stream = port.stream_generate
-    monkeypatch.setattr(port, "stream_generate", lambda *args, **kwargs: calls.append(kwargs) or stream(*args, **kwargs))
-    status = main(bench_args(model_dirs, prompts_file, tmp_path, "--backend", "mlx", "--block-size", "4",
-                             "--tree-budget", "2,3"))
+    monkeypatch.setattr(
+        port, "stream_generate", lambda *args, **kwargs: calls.append(kwargs) or stream(*args, **kwargs)
+    )
+    status = main(
+        bench_args(model_dirs, prompts_file, tmp_path, "--backend", "mlx", "--block-size", "4", "--tree-budget", "2,3")
+    )
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {r["method"]: r for r in result["summary"]}
     methods = {"mlx-dflash", "mlx-dflash-chain", "mlx-dflash-tree2", "mlx-dflash-tree3"}
@@ -220,7 +280,9 @@ def test_batch_sizes_measure_batched_dflash_against_plain_batches(model_dirs, pr
         assert row["rows_differing_from_one_at_a_time"] == 0
         assert row["dflash_tokens_per_second"] > 0 and row["plain_tokens_per_second"] > 0
     assert [len(group) for group in result["rows"][1]["row_lengths"]] == [2], "one batch of two rows"
-    assert (tmp_path / "throughput.png").stat().st_size > 0 and "DFlash vs plain" in (tmp_path / "summary.txt").read_text()
+    assert (tmp_path / "throughput.png").stat().st_size > 0 and "DFlash vs plain" in (
+        tmp_path / "summary.txt"
+    ).read_text()
 
 
 BAD_ARGS = [
@@ -240,8 +302,12 @@ BAD_ARGS = [
 
 
 @pytest.mark.parametrize("extra, message", BAD_ARGS)
-def test_bad_arguments_are_one_line_errors_before_loading(model_dirs, prompts_file, tmp_path, capsys, monkeypatch, extra, message):
-    monkeypatch.setattr("bench.run.load_torch_models", lambda *a: pytest.fail("models loaded before the arguments were checked"))
+def test_bad_arguments_are_one_line_errors_before_loading(
+    model_dirs, prompts_file, tmp_path, capsys, monkeypatch, extra, message
+):
+    monkeypatch.setattr(
+        "bench.run.load_torch_models", lambda *a: pytest.fail("models loaded before the arguments were checked")
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(bench_args(model_dirs, prompts_file, tmp_path, "--methods", "spec-generate-tree", *extra))
     err = capsys.readouterr().err
@@ -267,8 +333,22 @@ def test_a_requested_method_that_cannot_run_fails_the_run(model_dirs, prompts_fi
 
 
 def test_sampled_outputs_say_so_in_the_differ_column(model_dirs, prompts_file, tmp_path, capsys):
-    assert main(bench_args(model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "spec-generate",
-                           "--temperature", "0.7")) == 0
+    assert (
+        main(
+            bench_args(
+                model_dirs,
+                prompts_file,
+                tmp_path,
+                "--block-size",
+                "4",
+                "--methods",
+                "spec-generate",
+                "--temperature",
+                "0.7",
+            )
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "sampled" in out and "-/" not in out
 
@@ -283,7 +363,9 @@ def test_help_lists_the_methods_and_defaults(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "usage: python -m bench" in out
-    assert all(name in out for name in methods.TORCH_METHODS) and "(default 256)" in out and "(default: None)" not in out
+    assert (
+        all(name in out for name in methods.TORCH_METHODS) and "(default 256)" in out and "(default: None)" not in out
+    )
 
 
 def test_bfloat16_divergences_fail_only_beyond_a_rounding_tie(model_dirs, prompts_file, tmp_path, monkeypatch):
@@ -293,7 +375,9 @@ def test_bfloat16_divergences_fail_only_beyond_a_rounding_tie(model_dirs, prompt
     from common.exactness import Divergence
 
     monkeypatch.setitem(methods.TORCH_METHODS, "wrong", wrong_method)
-    argv = bench_args(model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "wrong", "--dtype", "bfloat16")
+    argv = bench_args(
+        model_dirs, prompts_file, tmp_path, "--block-size", "4", "--methods", "wrong", "--dtype", "bfloat16"
+    )
     tie, far = Divergence(2, 0.125, 0.0625, "bfloat16"), Divergence(5, 2.0, 0.0625, "bfloat16")  # 2 and 32 ulps
     monkeypatch.setattr(exactness, "divergence", lambda *a: tie)
     monkeypatch.setattr(exactness, "worst_off_argmax", lambda *a: tie)
@@ -364,8 +448,22 @@ def test_step_costs_prints_the_verify_curve_and_round_costs(model_dirs, capsys, 
 
     target, draft = model_dirs
     threads = torch.get_num_threads()
-    step_costs.main(["--target", str(target), "--draft", str(draft), "--dtype", dtype, "--repeats", "1", "--context", "8",
-                     "--threads", "1"])
+    step_costs.main(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            dtype,
+            "--repeats",
+            "1",
+            "--context",
+            "8",
+            "--threads",
+            "1",
+        ]
+    )
     torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert out.startswith(f"{dtype}, context 8") and "n=32:" in out and "(1.00x)" in out
@@ -373,9 +471,10 @@ def test_step_costs_prints_the_verify_curve_and_round_costs(model_dirs, capsys, 
 
 
 def test_round_profile_times_every_part_of_real_rounds_and_restores_the_loop():
+    from conftest import make_draft, make_target
+
     import generation_dflash
     from bench.round_profile import profile, report
-    from conftest import make_draft, make_target
 
     target, draft = make_target("llama"), make_draft()
     draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = 4, 3

@@ -8,11 +8,10 @@ per row of a batch.
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
-
 from conftest import OracleDraft, SecondChoiceDraft, greedy_reference, make_draft_config, make_target
 from test_batch_dflash import PROMPTS, BatchOracle, expected_rows, left_pad, row_ids_to_oracle  # noqa: F401 (a fixture)
 from test_hybrid_target import make_qwen3_5, needs_rollback
+from torch._dynamo.utils import counters
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])
 
@@ -67,8 +66,14 @@ def test_generate_route_feeds_the_committed_tokens_features():
     target = make_target("llama")
     ids = PROMPT
     draft, recorder, _ = oracle(target, ids, 3, 40)
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=30,
-                          do_sample=False, pad_token_id=0)
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        assistant_model=draft,
+        max_new_tokens=30,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert len(recorder.contexts) > 2
     recorder.check(target, draft.config.target_layer_ids, out)
 
@@ -82,8 +87,14 @@ def test_hybrid_rollback_feeds_the_kept_tokens_features(route):
     if route == "spec_generate":
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30)
     else:
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=30,
-                              do_sample=False, pad_token_id=0)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=draft,
+            max_new_tokens=30,
+            do_sample=False,
+            pad_token_id=0,
+        )
     recorder.check(target, draft.config.target_layer_ids, out, atol=1e-3)  # chunked vs recurrent gated delta
 
 
@@ -113,7 +124,8 @@ def test_compiled_verify_compiles_once_and_feeds_the_right_features():
         recorder.check(target, draft.config.target_layer_ids, out)
 
 
-def test_batch_feeds_each_rows_committed_tokens_features(monkeypatch, row_ids_to_oracle):
+@pytest.mark.usefixtures("row_ids_to_oracle")
+def test_batch_feeds_each_rows_committed_tokens_features(monkeypatch):
     """Per row of a batch (left padding, rows accepting different k each round, so the cache holds holes), the
     context the draft sees, its masked entries left out, is one full pass over that row's own committed tokens."""
     import batch_dflash
@@ -131,8 +143,9 @@ def test_batch_feeds_each_rows_committed_tokens_features(monkeypatch, row_ids_to
 
     monkeypatch.setattr(batch_dflash, "draft_block", recording)
     ids, mask = left_pad(PROMPTS)
-    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new, block_size=block_size,
-                              stop_token_ids=None)
+    out = draft.spec_generate(
+        target, ids, attention_mask=mask, max_new_tokens=max_new, block_size=block_size, stop_token_ids=None
+    )
     assert any(len(set(ks.values())) > 1 for ks in draft.ks), "rows accepted different k in one round"
     layers = draft.config.target_layer_ids
     for row, prompt in enumerate(PROMPTS):

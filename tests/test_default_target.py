@@ -24,7 +24,9 @@ def test_this_cpus_flags_are_read():
 
 def test_rope_theta_is_copied_to_the_top_level(tmp_path):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}))
+    config.write_text(
+        json.dumps({"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}})
+    )
     add_top_level_rope_theta(config)
     assert json.loads(config.read_text())["rope_theta"] == 100000.0
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary file left

@@ -1,8 +1,8 @@
 """The demo's argument checks: one-line `error: ...` (exit status 2) before any model loads."""
 
 import pytest
-
 from conftest import ROOT, make_target
+
 from demo.__main__ import parse_args
 
 BAD = [

@@ -5,9 +5,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModel, LogitsProcessorList, TemperatureLogitsWarper
-
 from conftest import (
     HIDDEN,
     VOCAB,
@@ -21,8 +18,11 @@ from conftest import (
     make_target,
     sample_two_tokens,
 )
-from modeling_dflash import BlockConvolution, CandidateSelector, DFlash2DraftModel, DFlashDraftModel
+from safetensors.torch import load_file, save_file
 from test_modeling_dflash import ZLAB_CONFIG, zlab_weights
+from transformers import AutoModel, LogitsProcessorList, TemperatureLogitsWarper
+
+from modeling_dflash import BlockConvolution, CandidateSelector, DFlash2DraftModel, DFlashDraftModel
 
 TAPS, GROUP, RANK, TOP_K = 3, 16, 8, 6
 DFLASH2 = {"conv_kernel_size": TAPS, "conv_group_size": GROUP, "selector_rank": RANK, "selector_top_k": TOP_K}
@@ -46,7 +46,9 @@ def published_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     for i in range(config["num_hidden_layers"]):
         for conv in ("attention_conv", "mlp_conv"):
             weights[f"layers.{i}.{conv}.base_kernel"] = torch.randn(2, TAPS, h, generator=g) * 0.5
-            weights[f"layers.{i}.{conv}.kernel_projection.weight"] = torch.randn(2 * TAPS * groups, h, generator=g) * 0.1
+            weights[f"layers.{i}.{conv}.kernel_projection.weight"] = (
+                torch.randn(2 * TAPS * groups, h, generator=g) * 0.1
+            )
     weights["candidate_selector.predecessor_codebook"] = torch.randn(config["vocab_size"], RANK, generator=g)
     weights["candidate_selector.successor_codebook"] = torch.randn(config["vocab_size"], RANK, generator=g)
     weights["candidate_selector.hidden_projection.weight"] = torch.randn(RANK, h, generator=g) * 0.3
@@ -87,7 +89,9 @@ def oracle_dflash2(target, reference, k, scale=50.0, **overrides):
     """Its selector's pair scores are live (random codebooks) but smaller than the oracle's margins (its hidden
     states, which make the tiny head's logits, are large)."""
     torch.manual_seed(k)
-    draft = OracleDFlash2(make_draft_config(dflash_config=dict(DFLASH2), **overrides)).eval().setup(target, reference, k)
+    draft = (
+        OracleDFlash2(make_draft_config(dflash_config=dict(DFLASH2), **overrides)).eval().setup(target, reference, k)
+    )
     draft.scale = scale
     randomize_dflash2(draft, 0.1)
     with torch.no_grad():
@@ -119,7 +123,9 @@ def test_published_checkpoint_loads_strictly_with_its_names(published_dir):
 def test_published_layout_is_loaded_strictly(published_dir, change):
     weights = load_file(published_dir / "model.safetensors")
     if change == "suffixed codebook":
-        weights["candidate_selector.predecessor_codebook.weight"] = weights.pop("candidate_selector.predecessor_codebook")
+        weights["candidate_selector.predecessor_codebook.weight"] = weights.pop(
+            "candidate_selector.predecessor_codebook"
+        )
     else:
         del weights["layers.1.mlp_conv.base_kernel"]
     save_file(weights, str(published_dir / "model.safetensors"))
@@ -139,13 +145,20 @@ def test_save_writes_the_published_layout_and_loads_back(tmp_path):
     assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
     assert config["auto_map"]["AutoModel"] == "modeling_dflash.DFlash2DraftModel"
     assert {k: config["dflash_config"][k] for k in DFLASH2} == DFLASH2
-    assert set(load_file(tmp_path / "model.safetensors")) == set(published_weights(make_draft_config().to_dict() | {"num_hidden_layers": 2, "head_dim": 16, "dflash_config": {"target_layer_ids": [0, 2]}}))
+    assert set(load_file(tmp_path / "model.safetensors")) == set(
+        published_weights(
+            make_draft_config().to_dict()
+            | {"num_hidden_layers": 2, "head_dim": 16, "dflash_config": {"target_layer_ids": [0, 2]}}
+        )
+    )
     loaded = AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
     assert type(loaded).__name__ == "DFlash2DraftModel"
     noise, ctx = torch.randn(1, 8, HIDDEN), torch.randn(1, 5, 2 * HIDDEN)
     with torch.no_grad():
-        assert torch.equal(loaded(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state,
-                           draft(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state)
+        assert torch.equal(
+            loaded(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state,
+            draft(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state,
+        )
 
 
 @pytest.mark.parametrize(
@@ -188,9 +201,13 @@ def test_convolution_of_a_one_hot_input():
     y[0, 0, c], y[0, 3, c] = 1.0, 2.0
     after = conv.after(y, kernels)[0]
     assert torch.allclose(after[0, c], conv.base_kernel[1, 0, c] + w[1, 0, g, c])
-    assert torch.allclose(after[1, c], conv.base_kernel[1, 1, c]) and torch.allclose(after[2, c], conv.base_kernel[1, 2, c])
-    assert torch.allclose(after[3, c], 2 * conv.base_kernel[1, 0, c]) and torch.allclose(after[4, c], 2 * conv.base_kernel[1, 1, c])
-    assert after[:, :c].abs().sum() == 0 and after[:, c + 1:].abs().sum() == 0
+    assert torch.allclose(after[1, c], conv.base_kernel[1, 1, c]) and torch.allclose(
+        after[2, c], conv.base_kernel[1, 2, c]
+    )
+    assert torch.allclose(after[3, c], 2 * conv.base_kernel[1, 0, c]) and torch.allclose(
+        after[4, c], 2 * conv.base_kernel[1, 1, c]
+    )
+    assert after[:, :c].abs().sum() == 0 and after[:, c + 1 :].abs().sum() == 0
 
 
 def test_identity_convolutions_and_a_no_op_selector_make_a_v1_draft():
@@ -213,7 +230,9 @@ def test_identity_convolutions_and_a_no_op_selector_make_a_v1_draft():
 
 def test_selector_walk_on_a_three_token_vocabulary():
     """Scores `logit[c] + sum_r P[p, r] * (H h)[r] * S[c, r]`, top-2 candidates, walked from the anchor."""
-    config = make_draft_config(vocab_size=3, mask_token_id=2, dflash_config={**DFLASH2, "selector_rank": 1, "selector_top_k": 2})
+    config = make_draft_config(
+        vocab_size=3, mask_token_id=2, dflash_config={**DFLASH2, "selector_rank": 1, "selector_top_k": 2}
+    )
     selector = CandidateSelector(config)
     with torch.no_grad():
         selector.predecessor_codebook.copy_(torch.tensor([[1.0], [-1.0], [2.0]]))
@@ -246,11 +265,15 @@ def test_spec_generate_greedy_equals_plain_with_partial_acceptance(block_size):
     reference = greedy_reference(target, ids, 30 + block_size)
     draft = make_dflash2()
     walks = count_walks(draft)
-    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=block_size), reference[:, :36])
+    assert torch.equal(
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=block_size), reference[:, :36]
+    )
     assert walks, "the selector chose the drafted tokens"
     for k in range(block_size):
         oracle = oracle_dflash2(target, reference, k)
-        stats = oracle.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=block_size, return_stats=True)
+        stats = oracle.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=30, block_size=block_size, return_stats=True
+        )
         assert torch.equal(stats.output_ids, reference[:, :36]), f"k={k}"
         assert stats.acceptance_lengths[:-1] == [k + 1] * (len(stats.acceptance_lengths) - 1), f"k={k}"
 
@@ -260,8 +283,14 @@ def test_generate_route_greedy_equals_plain_with_partial_acceptance(block_size):
     target = make_target("llama")
     ids = torch.randint(3, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(block_size))
     reference = greedy_reference(target, ids, 30)
-    run = lambda draft: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=30,  # noqa: E731
-                                        do_sample=False, pad_token_id=0)
+    run = lambda draft: target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        assistant_model=draft,
+        max_new_tokens=30,  # noqa: E731
+        do_sample=False,
+        pad_token_id=0,
+    )
     draft = make_dflash2(block_size=block_size)
     walks = count_walks(draft)
     assert torch.equal(run(draft), reference) and walks
@@ -289,7 +318,11 @@ def test_generate_route_sampling_with_selector_probabilities_matches_the_target_
     before, and those scores go to transformers' rejection sampling; chi-square of the 2nd and 3rd tokens."""
     target = make_target("llama", initializer_range=0.5)
     ids, n, temperature = torch.tensor([[5, 6, 7]]), 1500, 0.9
-    exact = exact_joint_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]), 3).sum(0).flatten()
+    exact = (
+        exact_joint_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]), 3)
+        .sum(0)
+        .flatten()
+    )
     draft = oracle_dflash2(target, greedy_reference(target, ids, 8), 3, scale=3.0, block_size=4)
     draft.dflash_proposal = "sample"
     torch.manual_seed(0)
@@ -297,8 +330,16 @@ def test_generate_route_sampling_with_selector_probabilities_matches_the_target_
     passes = []
     target.register_forward_pre_hook(lambda *a: passes.append(1))
     for _ in range(n):
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=6, do_sample=True,
-                              temperature=temperature, top_k=0, pad_token_id=0)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=draft,
+            max_new_tokens=6,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            pad_token_id=0,
+        )
         counts[out[0, 4] * VOCAB + out[0, 5]] += 1
     p_value, chi2, dof = chi_square_p_value(counts, exact)
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
@@ -322,4 +363,6 @@ def test_an_int8_copy_decodes_exactly():
     parts = ("candidate_selector", "layers.0.attention_conv")
     assert all(float_linears(draft.get_submodule(p)) and not float_linears(int8.get_submodule(p)) for p in parts)
     ids = torch.tensor([[5, 6, 7, 8]])
-    assert torch.equal(int8.spec_generate(target, ids, max_new_tokens=20, block_size=4), greedy_reference(target, ids, 20))
+    assert torch.equal(
+        int8.spec_generate(target, ids, max_new_tokens=20, block_size=4), greedy_reference(target, ids, 20)
+    )

@@ -1,4 +1,5 @@
-"""`target.generate(ids, assistant_model=draft)`: our candidate generator, and transformers' own `speculation_type="dflash"`."""
+"""`target.generate(ids, assistant_model=draft)`: our candidate generator, and transformers' own
+`speculation_type="dflash"`."""
 
 import ast
 import inspect
@@ -8,6 +9,18 @@ import warnings
 import pytest
 import torch
 import transformers
+from conftest import (
+    MISMATCHES,
+    VOCAB,
+    OracleDraft,
+    chi_square_p_value,
+    exact_joint_distribution,
+    greedy_reference,
+    make_draft,
+    make_draft_config,
+    make_target,
+    make_tokenizer,
+)
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -21,19 +34,6 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
-from conftest import (
-    MISMATCHES,
-    VOCAB,
-    OracleDraft,
-    chi_square_p_value,
-    exact_joint_distribution,
-    greedy_reference,
-    make_draft,
-    make_draft_config,
-    make_target,
-    make_tokenizer,
-)
-
 HAS_BUILTIN = hasattr(GenerationConfig(), "speculation_type")
 ROUTES = ["ours", "builtin"]
 
@@ -44,7 +44,9 @@ def run_generate(target, draft, ids, route="ours", **kwargs):
     if route == "builtin":
         kwargs["speculation_type"] = "dflash"
         if not HAS_BUILTIN:
-            with pytest.raises(ValueError, match=f"speculation_type needs transformers 5.15 or newer; {transformers.__version__}"):
+            with pytest.raises(
+                ValueError, match=f"speculation_type needs transformers 5.15 or newer; {transformers.__version__}"
+            ):
                 target.generate(ids, assistant_model=draft, **kwargs)
             return None
     return target.generate(ids, assistant_model=draft, **kwargs)
@@ -68,9 +70,15 @@ def skipped_for(generator, test: ast.AST) -> bool:
     generators only) or one of its own flags that is off (`if candidate_generator.requires_model_outputs:`)."""
     if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and test.value.id == "candidate_generator":
         return not getattr(generator, test.attr)
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("isinstance", "hasattr")
-               and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "candidate_generator"
-               for n in ast.walk(test))
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id in ("isinstance", "hasattr")
+        and n.args
+        and isinstance(n.args[0], ast.Name)
+        and n.args[0].id == "candidate_generator"
+        for n in ast.walk(test)
+    )
 
 
 def generator_reads(fn, generator) -> set[str]:
@@ -81,7 +89,11 @@ def generator_reads(fn, generator) -> set[str]:
         nodes = list(ast.iter_child_nodes(node))
         if isinstance(node, ast.If) and skipped_for(generator, node.test):
             nodes = [node.test, *node.orelse] if isinstance(node.test, ast.Attribute) else node.orelse
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "candidate_generator":
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "candidate_generator"
+        ):
             names.add(node.attr)
         for child in nodes:
             visit(child)
@@ -225,8 +237,14 @@ def test_custom_stopping_cuts_where_plain_decoding_does(kind):
     ids = torch.tensor([[5, 6, 7]])
     free = greedy_reference(target, ids, 40)
     stop = int(free[0, 3 + 9])
-    extra = {"stopping_criteria": [StopAfter(stop)]} if kind == "criteria" else {"stop_strings": [f"t{stop}"], "tokenizer": tokenizer}
-    plain = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, max_new_tokens=40, **extra)
+    extra = (
+        {"stopping_criteria": [StopAfter(stop)]}
+        if kind == "criteria"
+        else {"stop_strings": [f"t{stop}"], "tokenizer": tokenizer}
+    )
+    plain = target.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, max_new_tokens=40, **extra
+    )
     assert plain.shape[1] < free.shape[1]
     streamer = Recorder()
     draft = OracleDraft(make_draft_config()).eval().setup(target, free, 7)
@@ -244,12 +262,16 @@ def test_stops_whose_trigger_lies_in_the_prompt_never_fire():
     unused = [t for t in ids[0, :-1].tolist() if t not in free[0, 7:].tolist()]
     eos, word, trigger = unused[:3]
     target.generation_config.eos_token_id = eos
-    extra = dict(max_new_tokens=30, stopping_criteria=[StopAfter(trigger)], stop_strings=[f"t{word}"], tokenizer=tokenizer)
+    extra = dict(
+        max_new_tokens=30, stopping_criteria=[StopAfter(trigger)], stop_strings=[f"t{word}"], tokenizer=tokenizer
+    )
     plain = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **extra)
     assert torch.equal(plain, free)
     draft = OracleDraft(make_draft_config()).eval().setup(target, free, 3)
     out = run_generate(target, draft, ids, **extra)
-    assert torch.equal(out, free) and len(draft.calls) >= 5, f"{out.shape[1] - 7} new tokens, {len(draft.calls)} draft calls"
+    assert torch.equal(out, free) and len(draft.calls) >= 5, (
+        f"{out.shape[1] - 7} new tokens, {len(draft.calls)} draft calls"
+    )
 
 
 def test_criteria_see_each_new_prefix_once():
@@ -314,7 +336,12 @@ def test_other_assistants_behave_as_stock():
 def processors(temperature, top_k, top_p, repetition_penalty):
     """The processors generate builds for these settings, in its order."""
     return LogitsProcessorList(
-        [RepetitionPenaltyLogitsProcessor(repetition_penalty), TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)]
+        [
+            RepetitionPenaltyLogitsProcessor(repetition_penalty),
+            TemperatureLogitsWarper(temperature),
+            TopKLogitsWarper(top_k),
+            TopPLogitsWarper(top_p),
+        ]
     )
 
 
@@ -338,7 +365,9 @@ def test_sampling_matches_target_distribution(proposal):
         accepted += len(calls) < 6  # some drafted token was kept
     p_value, chi2, dof = chi_square_p_value(counts, exact)
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
-    assert len(draft.calls) >= 2 * n and accepted > n // 10, f"{len(draft.calls)} draft calls, {accepted} runs kept a drafted token"
+    assert len(draft.calls) >= 2 * n and accepted > n // 10, (
+        f"{len(draft.calls)} draft calls, {accepted} runs kept a drafted token"
+    )
 
 
 @pytest.mark.parametrize(
@@ -370,13 +399,18 @@ def test_static_cache_implementation_is_exact(k):
     expected = greedy_reference(target, ids, 20)
     oracle = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 40), k)
     caches = []
-    target.register_forward_pre_hook(lambda m, a, kw: caches.append(type(kw.get("cache", kw.get("past_key_values"))).__name__), with_kwargs=True)
+    target.register_forward_pre_hook(
+        lambda m, a, kw: caches.append(type(kw.get("cache", kw.get("past_key_values"))).__name__), with_kwargs=True
+    )
     assert torch.equal(run_generate(target, oracle, ids, max_new_tokens=20, cache_implementation="static"), expected)
     assert len(oracle.calls) > 2
     assert set(caches) == ({"StaticCache"} if int(transformers.__version__.split(".")[0]) >= 5 else {"DynamicCache"})
 
 
-@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="4.57's assisted loop uses a dynamic cache, which it does not compile")
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="4.57's assisted loop uses a dynamic cache, which it does not compile",
+)
 def test_static_cache_with_compile_config_compiles_the_verify_and_stays_exact():
     """transformers 5 compiles the assisted loop's target call when the cache is static (by default on GPUs; here
     `compile_config` asks for it on the CPU): exact at two acceptance lengths, and a random draft gets the same
@@ -392,7 +426,9 @@ def test_static_cache_with_compile_config_compiles_the_verify_and_stays_exact():
     for k in (1, 3):
         oracle = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 40), k)
         assert torch.equal(run(oracle, compile_config=compile_config), expected) and len(oracle.calls) > 2
-    assert getattr(target, "_compiled_call", None) is not None  # the verify passes ran through transformers' compiled call
+    assert (
+        getattr(target, "_compiled_call", None) is not None
+    )  # the verify passes ran through transformers' compiled call
     draft, seen = make_draft(), []
     draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["context_hidden_states"].clone()), with_kwargs=True)
     assert torch.equal(run(draft), expected)
@@ -432,10 +468,13 @@ def test_a_left_padded_batch_gives_every_row_its_own_greedy_output(arch):
     target, draft = make_target(arch), make_draft()
     ids, mask = left_padded_batch()
     shapes, drafts = [], []
-    handles = [target.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True),
-               draft.register_forward_hook(lambda *args: drafts.append(1))]
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=18, do_sample=False,
-                          pad_token_id=0)
+    handles = [
+        target.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True),
+        draft.register_forward_hook(lambda *args: drafts.append(1)),
+    ]
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=draft, max_new_tokens=18, do_sample=False, pad_token_id=0
+    )
     for handle in handles:
         handle.remove()
     assert out.shape == (3, ids.shape[1] + 18) and torch.equal(out[:, : ids.shape[1]], ids)
@@ -443,9 +482,18 @@ def test_a_left_padded_batch_gives_every_row_its_own_greedy_output(arch):
         expected = greedy_reference(target, torch.tensor([prompt]), 18)[0, len(prompt) :]
         assert torch.equal(out[row, ids.shape[1] :], expected), f"row {row}"
     assert drafts and shapes[1] == (3, draft.config.block_size), f"one pass verified every row's block: {shapes[:3]}"
-    eos = int(out[1, ids.shape[1] + 2])  # row 1's third new token ends it; the others run on or stop where they write it
-    stopped = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=18, do_sample=False,
-                              eos_token_id=eos, pad_token_id=1)
+    eos = int(
+        out[1, ids.shape[1] + 2]
+    )  # row 1's third new token ends it; the others run on or stop where they write it
+    stopped = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        max_new_tokens=18,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=1,
+    )
     new = stopped[1, ids.shape[1] :].tolist()
     assert new[: new.index(eos) + 1] == out[1, ids.shape[1] : ids.shape[1] + new.index(eos) + 1].tolist()
     assert set(new[new.index(eos) + 1 :]) <= {1}, "padded with the call's pad token after the row's end"
@@ -462,8 +510,17 @@ def test_a_batch_samples_each_row_from_its_own_distribution():
     counts = torch.zeros(2, VOCAB * VOCAB)
     torch.manual_seed(0)
     for _ in range(n):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=2, do_sample=True,
-                              temperature=0.8, top_k=0, pad_token_id=0, eos_token_id=None)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            max_new_tokens=2,
+            do_sample=True,
+            temperature=0.8,
+            top_k=0,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         for row, (t1, t2) in enumerate(out[:, -2:].tolist()):
             counts[row, t1 * VOCAB + t2] += 1
     for row in range(2):
@@ -476,7 +533,10 @@ def test_a_batch_samples_each_row_from_its_own_distribution():
     [
         ({"guidance_scale": 1.5}, "guidance_scale=1.5 is not supported with a batch .*unconditional model"),
         ({"output_scores": True, "return_dict_in_generate": True}, "output_scores=True is not supported with a batch"),
-        ({"prefix_allowed_tokens_fn": lambda batch, ids: [3]}, "prefix_allowed_tokens_fn is not supported .*batch index"),
+        (
+            {"prefix_allowed_tokens_fn": lambda batch, ids: [3]},
+            "prefix_allowed_tokens_fn is not supported .*batch index",
+        ),
         ({"streamer": BaseStreamer()}, "a streamer takes one sequence"),
         ({"num_assistant_tokens_schedule": "heuristic"}, "not supported with a batch"),
         ({"cache_implementation": "static"}, "builds its own ragged dynamic cache"),

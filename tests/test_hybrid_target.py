@@ -9,11 +9,11 @@ import warnings
 import pytest
 import torch
 import transformers
+from conftest import VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config
 from transformers import DynamicCache
 
 import cache_dflash
 import routing_dflash
-from conftest import VOCAB, OracleDraft, greedy_reference, make_draft, make_draft_config
 from cache_dflash import RollbackCache
 
 ROLLS_BACK = cache_dflash.LinearAttentionCacheLayerMixin is not None
@@ -40,9 +40,20 @@ def make_qwen3_next(seed: int = 0):
 
     torch.manual_seed(seed)
     config = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, num_experts=2,
-        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        pad_token_id=0,
     )
     return finish(Qwen3NextForCausalLM(config))
 
@@ -53,9 +64,19 @@ def make_qwen3_5(seed: int = 0):
 
     torch.manual_seed(seed)
     config = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=512,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=512,
         pad_token_id=0,
     )
     return finish(Qwen3_5ForCausalLM(config))
@@ -82,14 +103,28 @@ def passes(target, caches=None):
 
 
 def run_generate(target, draft, ids, max_new_tokens):
-    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=max_new_tokens,
-                           do_sample=False, pad_token_id=0)
+    return target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        assistant_model=draft,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
 
 
 def generate_logits(target, ids, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy ids and the target's logits at each new token, `[1, new, V]`."""
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True, **kwargs)
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=30,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -113,7 +148,9 @@ def test_spec_generate_rolls_back_after_every_rejection_length(arch, block_size,
     for k in range(block_size):
         draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
         calls, handle = passes(target)
-        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=block_size, return_stats=True)
+        stats = draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=30, block_size=block_size, return_stats=True
+        )
         handle.remove()
         assert torch.equal(stats.output_ids, reference[:, :37]), f"{arch} k={k}"
         assert stats.acceptance_lengths[:-1] == [k + 1] * (len(stats.acceptance_lengths) - 1), f"k={k}"
@@ -155,8 +192,15 @@ def test_transformers_own_dflash_rolls_back_a_hybrid_target(arch):
     reference = greedy_reference(target, ids, 30)
     for k in range(block_size):
         draft = OracleDraft(make_draft_config(block_size=block_size)).eval().setup(target, reference, k)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=30,
-                              do_sample=False, pad_token_id=0, speculation_type="dflash")
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=draft,
+            max_new_tokens=30,
+            do_sample=False,
+            pad_token_id=0,
+            speculation_type="dflash",
+        )
         assert torch.equal(out, reference), f"{arch} k={k}"
         assert draft.calls, "transformers' generator never ran the draft"
 
@@ -166,7 +210,9 @@ def test_transformers_own_dflash_rolls_back_a_hybrid_target(arch):
 def test_transformers_own_dflash_is_refused_where_its_cache_cannot_roll_back():
     target = make_qwen3_5()
     with pytest.raises(ValueError, match="own DFlash generator cannot roll back"):
-        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=make_draft(), max_new_tokens=4, speculation_type="dflash")
+        target.generate(
+            torch.tensor([[5, 6, 7]]), assistant_model=make_draft(), max_new_tokens=4, speculation_type="dflash"
+        )
 
 
 @pytest.mark.skipif(not RECORDS, reason="transformers before 5.25 records no recurrent states")
@@ -217,7 +263,10 @@ def test_without_the_restore_output_diverges(monkeypatch):
     assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=8), reference)
     original = RollbackCache.save
     try:
-        RollbackCache.save = lambda self, ids: (original(self, ids), setattr(self, "saved", [({}, {}) for _ in self.saved]))
+        RollbackCache.save = lambda self, ids: (
+            original(self, ids),
+            setattr(self, "saved", [({}, {}) for _ in self.saved]),
+        )
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=30, block_size=8)
     finally:
         RollbackCache.save = original
@@ -228,11 +277,22 @@ def test_without_the_restore_output_diverges(monkeypatch):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, tree_budget=4), "cannot take; use the chain"),
-        (lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, cache_implementation="static"),
-         "rolls back in a cache of its own"),
-        (lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, compile_verify=True), "rolls back in a cache of its own"),
-        (lambda d, t, ids: t.generate(ids, assistant_model=d, max_new_tokens=8, cache_implementation="static"), "rolls back in a cache of its own"),
+        (
+            lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, tree_budget=4),
+            "cannot take; use the chain",
+        ),
+        (
+            lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, cache_implementation="static"),
+            "rolls back in a cache of its own",
+        ),
+        (
+            lambda d, t, ids: d.spec_generate(target=t, input_ids=ids, max_new_tokens=8, compile_verify=True),
+            "rolls back in a cache of its own",
+        ),
+        (
+            lambda d, t, ids: t.generate(ids, assistant_model=d, max_new_tokens=8, cache_implementation="static"),
+            "rolls back in a cache of its own",
+        ),
     ],
 )
 def test_what_a_recurrent_state_cannot_do_is_refused_before_compute(call, message):
@@ -250,7 +310,9 @@ def test_the_shipped_config_tree_yields_to_a_hybrid_target(rollback):
     target, draft = make_qwen3_5(), make_draft()
     draft.config.tree_budget = 4
     ids = torch.tensor([[5, 6, 7]])
-    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=10), greedy_reference(target, ids, 10))
+    assert torch.equal(
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=10), greedy_reference(target, ids, 10)
+    )
 
 
 def test_a_transformers_without_per_layer_linear_attention_caches_is_named(monkeypatch):

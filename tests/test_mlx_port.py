@@ -44,11 +44,11 @@ from mlx_lm.utils import load_model  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from modeling_dflash import DFlashDraftModel  # noqa: E402
 from mlx_port import load_draft, stream_generate  # noqa: E402
 from mlx_port.convert import convert  # noqa: E402
 from mlx_port.generate import LayerCapture, accepted_length, decoder_layers, target_head  # noqa: E402
 from mlx_port.model import Model, ModelArgs  # noqa: E402
+from modeling_dflash import DFlashDraftModel  # noqa: E402
 
 PROMPT = [5, 6, 7]
 
@@ -347,13 +347,25 @@ def test_sampling_matches_target_distribution(work, draft_dir, tree_budget):
     tokenizer, counts, accepted = wrap(), np.zeros(VOCAB * VOCAB), 0
     mx.random.seed(0)
     for _ in range(n):
-        responses = list(stream_generate(model, oracle_draft, tokenizer, PROMPT, max_tokens=2, temperature=temperature,
-                                         block_size=4, tree_budget=tree_budget))
+        responses = list(
+            stream_generate(
+                model,
+                oracle_draft,
+                tokenizer,
+                PROMPT,
+                max_tokens=2,
+                temperature=temperature,
+                block_size=4,
+                tree_budget=tree_budget,
+            )
+        )
         t1, t2 = [t for r in responses for t in r.tokens]
         counts[t1 * VOCAB + t2] += 1
         accepted += responses[1].accepted > 0
     assert accepted > n // 5, "the test needs drafted tokens to be accepted"
-    p_value, chi2, dof = chi_square_p_value(torch.from_numpy(counts), torch.from_numpy(np.asarray(exact, dtype=np.float64)))
+    p_value, chi2, dof = chi_square_p_value(
+        torch.from_numpy(counts), torch.from_numpy(np.asarray(exact, dtype=np.float64))
+    )
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
 
 
@@ -372,7 +384,9 @@ def torch_and_mlx_hidden(torch_draft: DFlashDraftModel, mlx_draft: Model, steps:
         ctx = rng.standard_normal((1, n_ctx, num_features)).astype(np.float32)
         positions = torch.arange(start, start + n_ctx + block)[None]
         with torch.no_grad():
-            out = torch_draft(torch.from_numpy(noise), torch.from_numpy(ctx), position_ids=positions, past_key_values=torch_cache)
+            out = torch_draft(
+                torch.from_numpy(noise), torch.from_numpy(ctx), position_ids=positions, past_key_values=torch_cache
+            )
         torch_cache.crop(-block)
         start += n_ctx
         yield out.last_hidden_state[0].numpy(), np.array(mlx_draft(mx.array(noise), mx.array(ctx), cache=mlx_cache)[0])
@@ -384,7 +398,12 @@ def torch_and_mlx_hidden(torch_draft: DFlashDraftModel, mlx_draft: Model, steps:
         {},
         {"attention_bias": True},
         {"use_sliding_window": True, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
-        {"use_sliding_window": True, "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"], "is_causal": False},
+        {
+            "use_sliding_window": True,
+            "sliding_window": 3,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "is_causal": False,
+        },
         {"is_causal": True},
     ],
     ids=["qwen3", "attention_bias", "sliding_layer", "non_causal_window_3", "all_causal"],
@@ -399,8 +418,13 @@ def test_hidden_states_match_torch(work, overrides):
     mlx_draft = to_mlx_draft(torch_draft, work / f"parity-{len(list(work.iterdir()))}")
     if "layer_types" in overrides:
         window = overrides["sliding_window"]
-        assert mlx_draft.layers[0].self_attn.sliding_window == window and mlx_draft.layers[1].self_attn.sliding_window is None
-    assert [layer.self_attn.causal for layer in mlx_draft.layers] == [layer.self_attn.causal for layer in torch_draft.layers]
+        assert (
+            mlx_draft.layers[0].self_attn.sliding_window == window
+            and mlx_draft.layers[1].self_attn.sliding_window is None
+        )
+    assert [layer.self_attn.causal for layer in mlx_draft.layers] == [
+        layer.self_attn.causal for layer in torch_draft.layers
+    ]
     for i, (expected, got) in enumerate(torch_and_mlx_hidden(torch_draft, mlx_draft, [(5, 4), (3, 4), (1, 8), (4, 4)])):
         diff = float(np.abs(expected - got).max())
         assert diff < 1e-4, f"round {i}: max |torch - mlx| = {diff:.3g}"
@@ -416,7 +440,11 @@ def test_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, draft,
     all_taus = []
     for prompt in (PROMPT, list(range(10, 30))):
         stats = torch_draft.spec_generate(
-            target=torch_target, input_ids=torch.tensor([prompt]), max_new_tokens=30, block_size=block_size, return_stats=True
+            target=torch_target,
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=30,
+            block_size=block_size,
+            return_stats=True,
         )
         tokens, taus = run(target, draft, prompt, block_size=block_size, max_tokens=30)
         assert tokens == stats.output_ids[0, len(prompt) :].tolist(), f"prompt {prompt}"
@@ -435,7 +463,9 @@ def test_draft_vocab_matches_torch(target_dir, target, draft_dir, work):
     torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     torch_draft = DFlashDraftModel.from_pretrained(folder).eval()
     assert torch_draft.config.draft_vocab == vocab
-    stats = torch_draft.spec_generate(torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=8, return_stats=True)
+    stats = torch_draft.spec_generate(
+        torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=8, return_stats=True
+    )
     tokens, taus = run(target, load_draft(str(folder)), PROMPT, block_size=8, max_tokens=30)
     assert tokens == stats.output_ids[0, 3:].tolist() == mlx_greedy(target, PROMPT, 30)
     assert taus == stats.acceptance_lengths
@@ -471,10 +501,18 @@ def test_tree_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, d
     torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     torch_draft = DFlashDraftModel.from_pretrained(draft_dir).eval()
     for prompt in (PROMPT, REPEATING):
-        stats = torch_draft.spec_generate(torch_target, torch.tensor([prompt]), max_new_tokens=30, block_size=8,
-                                          tree_budget=budget, prompt_lookup_num_tokens=lookup, return_stats=True)
-        tokens, taus = run(target, draft, prompt, block_size=8, max_tokens=30, tree_budget=budget,
-                           prompt_lookup_num_tokens=lookup)
+        stats = torch_draft.spec_generate(
+            torch_target,
+            torch.tensor([prompt]),
+            max_new_tokens=30,
+            block_size=8,
+            tree_budget=budget,
+            prompt_lookup_num_tokens=lookup,
+            return_stats=True,
+        )
+        tokens, taus = run(
+            target, draft, prompt, block_size=8, max_tokens=30, tree_budget=budget, prompt_lookup_num_tokens=lookup
+        )
         assert tokens == stats.output_ids[0, len(prompt) :].tolist() == mlx_greedy(target, prompt, 30), f"{prompt}"
         assert taus == stats.acceptance_lengths, f"prompt {prompt}"
 
@@ -493,8 +531,9 @@ def test_oracle_trees_are_exact_and_trees_of_16_commit_more_per_target_pass(targ
     chain, chain_taus = run(target, second_choice, PROMPT, block_size=8, max_tokens=30, tree_budget=0)
     tree, tree_taus = run(target, second_choice, PROMPT, block_size=8, max_tokens=30, tree_budget=budget)
     torch_oracle = SecondChoiceDraft(make_draft_config()).eval().setup(torch_target, torch.tensor([reference]), k)
-    stats = torch_oracle.spec_generate(torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=8,
-                                       tree_budget=budget, return_stats=True)
+    stats = torch_oracle.spec_generate(
+        torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=8, tree_budget=budget, return_stats=True
+    )
     assert tree == chain == reference[3:33] == stats.output_ids[0, 3:].tolist()
     assert tree_taus == stats.acceptance_lengths
     assert chain_taus[:-1] == [k + 1] * (len(chain_taus) - 1)
@@ -508,15 +547,20 @@ def test_oracle_trees_are_exact_and_trees_of_16_commit_more_per_target_pass(targ
 def test_a_config_tree_is_followed_without_an_argument_as_in_torch(target_dir, target, draft_dir, work):
     from transformers import AutoModelForCausalLM
 
-    folder = edit_config(draft_dir, work / "draft-tree",
-                         lambda c: c["dflash_config"].update(tree_budget=4, prompt_lookup_num_tokens=5))
+    folder = edit_config(
+        draft_dir, work / "draft-tree", lambda c: c["dflash_config"].update(tree_budget=4, prompt_lookup_num_tokens=5)
+    )
     configured = load_draft(str(folder))
     default = run(target, configured, REPEATING, block_size=8, max_tokens=30)
-    explicit = run(target, configured, REPEATING, block_size=8, max_tokens=30, tree_budget=4, prompt_lookup_num_tokens=5)
+    explicit = run(
+        target, configured, REPEATING, block_size=8, max_tokens=30, tree_budget=4, prompt_lookup_num_tokens=5
+    )
     chain = run(target, configured, REPEATING, block_size=8, max_tokens=30, tree_budget=0, prompt_lookup_num_tokens=0)
     torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    stats = DFlashDraftModel.from_pretrained(folder).eval().spec_generate(
-        torch_target, torch.tensor([REPEATING]), max_new_tokens=30, block_size=8, return_stats=True
+    stats = (
+        DFlashDraftModel.from_pretrained(folder)
+        .eval()
+        .spec_generate(torch_target, torch.tensor([REPEATING]), max_new_tokens=30, block_size=8, return_stats=True)
     )
     assert default == explicit and default[1] == stats.acceptance_lengths
     assert default[0] == chain[0] and default[1] != chain[1], "the tree and lookup branch changed acceptance"
@@ -577,8 +621,9 @@ def test_quantized_target_and_draft_trees_equal_their_chain(target_dir, draft_di
 
     model = load_model(target_dir)[0]
     nn.quantize(model, group_size=32, bits=bits)
-    quantized = load_draft(str(convert(str(draft_dir), str(work / f"tree-q{bits}"), quantize=True, q_bits=bits,
-                                       q_group_size=32)))
+    quantized = load_draft(
+        str(convert(str(draft_dir), str(work / f"tree-q{bits}"), quantize=True, q_bits=bits, q_group_size=32))
+    )
     chain, _ = run(model, quantized, PROMPT, block_size=8, max_tokens=30, tree_budget=0)
     assert chain == mlx_greedy(model, PROMPT, 30)
     for budget in (4, 16):
@@ -593,9 +638,20 @@ def make_qwen3_5(seed: int = 0):
     """A tiny random mlx-lm `qwen3_5` target: gated-delta (ArraysCache) layers 0-2, full attention in layer 3."""
     mx.random.seed(seed)
     text_config = dict(
-        model_type="qwen3_5", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=4, tie_word_embeddings=False,
+        model_type="qwen3_5",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        full_attention_interval=4,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     )
     model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text_config))
@@ -627,15 +683,20 @@ def test_hybrid_target_rolls_back_its_recurrent_state(work, block_size, ks):
 def test_hybrid_targets_keep_the_chain(work):
     """A config's tree yields to the chain on a recurrent target, as in torch; an explicit tree is refused."""
     model = make_qwen3_5()
-    folder = edit_config(hybrid_draft(work, "hybrid-draft"), work / "hybrid-tree",
-                         lambda c: c["dflash_config"].update(tree_budget=4, prompt_lookup_num_tokens=5))
+    folder = edit_config(
+        hybrid_draft(work, "hybrid-draft"),
+        work / "hybrid-tree",
+        lambda c: c["dflash_config"].update(tree_budget=4, prompt_lookup_num_tokens=5),
+    )
     assert run(model, load_draft(str(folder)), PROMPT, block_size=4, max_tokens=12)[0] == mlx_greedy(model, PROMPT, 12)
     with pytest.raises(ValueError, match="tree_budget=4 needs a tree verify, but the target's recurrent state"):
         run(model, load_draft(str(folder)), PROMPT, max_tokens=4, tree_budget=4)
 
 
 def test_unsupported_target_cache_is_refused(target, draft, monkeypatch):
-    monkeypatch.setattr(type(target), "make_cache", lambda self: [RotatingKVCache(64) for _ in self.layers], raising=False)
+    monkeypatch.setattr(
+        type(target), "make_cache", lambda self: [RotatingKVCache(64) for _ in self.layers], raising=False
+    )
     with pytest.raises(ValueError, match="cannot roll back the target's RotatingKVCache cache"):
         run(target, draft, PROMPT, max_tokens=4)
 
@@ -734,8 +795,27 @@ def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work
     warning."""
     out = work / "cli-draft"
     convert_argv = ["--hf-path", str(draft_dir), "--mlx-path", str(out), "-q", "--q-bits", "8", "--q-group-size", "32"]
-    generate_argv = ["--model", str(target_dir), "--draft-model", str(out), "--prompt", "w5 w6 w7", "--max-tokens", "12"]
-    generate_argv += ["--temp", "0", "--block-size", "4", "--compare", "--tree-budget", "3", "--prompt-lookup-num-tokens", "2"]
+    generate_argv = [
+        "--model",
+        str(target_dir),
+        "--draft-model",
+        str(out),
+        "--prompt",
+        "w5 w6 w7",
+        "--max-tokens",
+        "12",
+    ]
+    generate_argv += [
+        "--temp",
+        "0",
+        "--block-size",
+        "4",
+        "--compare",
+        "--tree-budget",
+        "3",
+        "--prompt-lookup-num-tokens",
+        "2",
+    ]
     script = (
         "import runpy, sys\n"
         f"sys.argv = ['mlx_port', 'convert'] + {convert_argv!r}\n"
@@ -744,7 +824,9 @@ def test_cli_convert_and_generate_end_to_end(target_dir, target, draft_dir, work
         f"sys.argv = ['mlx_port', 'generate'] + {generate_argv!r}\n"
         "runpy.run_module('mlx_port', run_name='__main__', alter_sys=True)\n"
     )
-    done = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "RuntimeWarning" not in done.stderr, done.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
@@ -766,7 +848,11 @@ def test_draft_head_and_embedding_match_torch():
     from mlx_port.generate import draft_embedding, draft_head
 
     torch_draft = make_draft(input_embedding_scale=1.5, final_logit_softcapping=2.0)
-    torch_draft.config.dflash_config = {**torch_draft.config.dflash_config, "output_multiplier": 0.5, "draft_vocab": [3, 9, 11]}
+    torch_draft.config.dflash_config = {
+        **torch_draft.config.dflash_config,
+        "output_multiplier": 0.5,
+        "draft_vocab": [3, 9, 11],
+    }
     args = ModelArgs.from_dict(torch_draft.config.to_dict())
     mlx_draft = Model(args)
     weight = torch.randn(VOCAB, torch_draft.config.hidden_size)
@@ -817,14 +903,21 @@ def test_dflash2_converts_and_matches_torch(dflash2_dir, work):
     for i, (expected, got) in enumerate(torch_and_mlx_hidden(torch_draft, converted, [(5, 4), (3, 4), (1, 8)])):
         assert float(np.abs(expected - got).max()) < 1e-4, f"round {i}"
     rng = np.random.default_rng(0)
-    logits, hidden = rng.standard_normal((1, 7, VOCAB)).astype(np.float32), rng.standard_normal((1, 7, 64)).astype(np.float32)
+    logits, hidden = (
+        rng.standard_normal((1, 7, VOCAB)).astype(np.float32),
+        rng.standard_normal((1, 7, 64)).astype(np.float32),
+    )
     with torch.no_grad():
-        tokens, scores = torch_draft.candidate_selector.walk(torch.from_numpy(logits), torch.from_numpy(hidden), torch.tensor([[5]]))
+        tokens, scores = torch_draft.candidate_selector.walk(
+            torch.from_numpy(logits), torch.from_numpy(hidden), torch.tensor([[5]])
+        )
     mlx_scores = converted.candidate_selector.scores(mx.array(logits[:, 0]), mx.array(hidden[:, 0]), mx.array([5]))
     finite = np.isfinite(scores[0, 0].numpy())
     assert (finite == np.isfinite(np.array(mlx_scores[0]))).all() and finite.sum() == converted.candidate_selector.top_k
     assert np.abs(scores[0, 0].numpy()[finite] - np.array(mlx_scores[0])[finite]).max() < 1e-4
-    walk = converted.candidate_selector.walk(mx.array(logits), mx.array(hidden), mx.array([5]), lambda s: mx.argmax(s, axis=-1))
+    walk = converted.candidate_selector.walk(
+        mx.array(logits), mx.array(hidden), mx.array([5]), lambda s: mx.argmax(s, axis=-1)
+    )
     assert np.array(walk).tolist() == tokens.tolist()
 
 
@@ -838,10 +931,14 @@ def test_dflash2_greedy_equals_mlx_lm_and_torch(target_dir, target, dflash2_dir,
     torch_draft = DFlash2DraftModel.from_pretrained(dflash2_dir).eval()
     for block_size in (2, 4, 8, 16):
         tokens, taus = run(target, draft, PROMPT, block_size=block_size, max_tokens=30)
-        stats = torch_draft.spec_generate(torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=block_size, return_stats=True)
+        stats = torch_draft.spec_generate(
+            torch_target, torch.tensor([PROMPT]), max_new_tokens=30, block_size=block_size, return_stats=True
+        )
         assert tokens == mlx_greedy(target, PROMPT, 30) == stats.output_ids[0, 3:].tolist(), f"B={block_size}"
         assert taus == stats.acceptance_lengths, f"B={block_size}"
-    quantized = load_draft(str(convert(str(dflash2_dir), str(work / "dflash2-q8"), quantize=True, q_bits=8, q_group_size=32)))
+    quantized = load_draft(
+        str(convert(str(dflash2_dir), str(work / "dflash2-q8"), quantize=True, q_bits=8, q_group_size=32))
+    )
     assert run(target, quantized, PROMPT, block_size=4, max_tokens=30)[0] == mlx_greedy(target, PROMPT, 30)
 
 
@@ -857,7 +954,9 @@ def test_dflash2_forced_partial_acceptance_at_every_k(target, dflash2_dir):
         oracle_draft = oracle_class(model.args)
         oracle_draft.update(model.parameters())
         selector = oracle_draft.candidate_selector
-        selector.hidden_projection.weight = selector.hidden_projection.weight * 1e-3  # the oracle's hidden states are large
+        selector.hidden_projection.weight = (
+            selector.hidden_projection.weight * 1e-3
+        )  # the oracle's hidden states are large
         oracle_draft.setup(target, reference, k)
         tokens, taus = run(target, oracle_draft, PROMPT, block_size=8, max_tokens=24)
         assert tokens == reference[3:27] and taus[:-1] == [k + 1] * (len(taus) - 1), f"k={k}: {taus}"
@@ -873,21 +972,29 @@ def test_dflash2_sampling_matches_target_distribution(work, dflash2_dir):
     tokenizer, counts = wrap(), np.zeros(VOCAB * VOCAB)
     mx.random.seed(0)
     for _ in range(n):
-        responses = list(stream_generate(model, draft, tokenizer, PROMPT, max_tokens=2, temperature=temperature, block_size=4))
+        responses = list(
+            stream_generate(model, draft, tokenizer, PROMPT, max_tokens=2, temperature=temperature, block_size=4)
+        )
         t1, t2 = [t for r in responses for t in r.tokens]
         counts[t1 * VOCAB + t2] += 1
-    p_value, chi2, dof = chi_square_p_value(torch.from_numpy(counts), torch.from_numpy(np.asarray(exact, dtype=np.float64)))
+    p_value, chi2, dof = chi_square_p_value(
+        torch.from_numpy(counts), torch.from_numpy(np.asarray(exact, dtype=np.float64))
+    )
     assert p_value > 1e-4, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
 
 
 def test_cli_sampling_flags_and_quantized_block_default(target, draft, work, draft_dir):
     from mlx_port.generate import QUANTIZED_BLOCK_SIZE, configure_parser, default_block_size
 
-    args = configure_parser().parse_args(["--model", "t", "--draft-model", "d", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05"])
+    args = configure_parser().parse_args(
+        ["--model", "t", "--draft-model", "d", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05"]
+    )
     assert (args.top_p, args.top_k, args.min_p) == (0.9, 20, 0.05)
     assert "4-5" in configure_parser().format_help().replace("\n", " ").replace("  ", " ")
     assert default_block_size(target, draft) == draft.args.block_size == 8
-    quantized = load_draft(str(convert(str(draft_dir), str(work / "q-default"), quantize=True, q_bits=8, q_group_size=32)))
+    quantized = load_draft(
+        str(convert(str(draft_dir), str(work / "q-default"), quantize=True, q_bits=8, q_group_size=32))
+    )
     assert default_block_size(target, quantized) == QUANTIZED_BLOCK_SIZE == 4
 
 
@@ -921,9 +1028,10 @@ def test_real_default_target_mlx_greedy_equals_torch(tmp_path):
     assert port.args.rope_theta == stock.args.rope_theta == 100000.0 and misread.args.rope_theta == 10000
     differs = 0
     for text in ["What is the capital of France?", "Explain speculative decoding in one paragraph."]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        expected = torch_target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        expected = torch_target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
         prompt = ids[0].tolist()
         assert mlx_greedy(stock, prompt, 8) == expected, text
         assert mlx_greedy(port, prompt, 8) == expected, text
@@ -979,7 +1087,9 @@ def test_readme_mlx_snippet_runs_as_written(monkeypatch, capsys):
 
 
 def test_cli_help_lists_the_commands():
-    done = subprocess.run([sys.executable, "-m", "mlx_port", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_port", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "convert" in done.stdout and "generate" in done.stdout
     done = subprocess.run([sys.executable, "-m", "mlx_port"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "usage: python -m mlx_port" in done.stderr

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
+from conftest import HIDDEN, MASK_ID, ROOT, TARGET_LAYERS, VOCAB, make_draft, make_draft_config, make_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, DynamicCache
 
-from conftest import HIDDEN, MASK_ID, ROOT, TARGET_LAYERS, VOCAB, make_draft, make_draft_config, make_target
 from configuration_dflash import DFlashConfig, build_target_layer_ids
 from modeling_dflash import DFlashDraftModel
 
@@ -60,7 +60,10 @@ def zlab_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
-    return {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()}
+    return {
+        k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.1 * torch.randn(s, generator=g)
+        for k, s in shapes.items()
+    }
 
 
 @pytest.fixture
@@ -136,10 +139,17 @@ def test_context_cache_equals_one_shot_context(draft):
     noise, ctx = torch.randn(1, 8, HIDDEN), torch.randn(1, 10, 2 * HIDDEN)
     full = draft(noise_embeds=noise, context_hidden_states=ctx, position_ids=torch.arange(18)[None]).last_hidden_state
     cache = DynamicCache()
-    draft(noise_embeds=noise, context_hidden_states=ctx[:, :6], position_ids=torch.arange(14)[None], past_key_values=cache)
+    draft(
+        noise_embeds=noise, context_hidden_states=ctx[:, :6], position_ids=torch.arange(14)[None], past_key_values=cache
+    )
     cache.crop(-8)
     assert cache.get_seq_length() == 6
-    stepped = draft(noise_embeds=noise, context_hidden_states=ctx[:, 6:], position_ids=torch.arange(6, 18)[None], past_key_values=cache)
+    stepped = draft(
+        noise_embeds=noise,
+        context_hidden_states=ctx[:, 6:],
+        position_ids=torch.arange(6, 18)[None],
+        past_key_values=cache,
+    )
     assert torch.allclose(full, stepped.last_hidden_state, atol=1e-5)
 
 
@@ -171,12 +181,24 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
     assert config["hidden_size"] == HIDDEN and config["vocab_size"] == VOCAB
     assert config["rope_theta"] == draft.config.to_dict()["rope_theta"]
     assert not {"partial_rotary_factor", "mrope_section"} & set(config) and config.get("rope_scaling") is None
-    assert config["use_sliding_window"] is False and set(config.get("layer_types") or ["full_attention"]) == {"full_attention"}
+    assert config["use_sliding_window"] is False and set(config.get("layer_types") or ["full_attention"]) == {
+        "full_attention"
+    }
     assert keys == published, f"extra {keys - published}, missing {published - keys}"
     assert not any(k.startswith(("eagle_", "speculators_config", "sample_from_anchor")) for k in config)
-    assert config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
-    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py", "cache_dflash.py", "routing_dflash.py",
-                 "tree_dflash.py", "batch_dflash.py"):
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dflash.DFlashConfig",
+        "AutoModel": "modeling_dflash.DFlashDraftModel",
+    }
+    for name in (
+        "configuration_dflash.py",
+        "modeling_dflash.py",
+        "generation_dflash.py",
+        "cache_dflash.py",
+        "routing_dflash.py",
+        "tree_dflash.py",
+        "batch_dflash.py",
+    ):
         assert (tmp_path / name).exists(), name
 
 
@@ -219,7 +241,9 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path, draft):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "draft"), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-        check=True, cwd=tmp_path, env=env,
+        check=True,
+        cwd=tmp_path,
+        env=env,
     )
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
 
@@ -267,9 +291,23 @@ def test_draft_attention_mask_matches_the_reference_rule():
 @pytest.mark.parametrize(
     "overrides, causal",
     [
-        ({"layer_types": ["sliding_attention", "sliding_attention"], "use_sliding_window": True, "sliding_window": 64}, True),
-        ({"layer_types": ["sliding_attention", "sliding_attention"], "use_sliding_window": True, "sliding_window": 64,
-          "is_causal": False}, False),
+        (
+            {
+                "layer_types": ["sliding_attention", "sliding_attention"],
+                "use_sliding_window": True,
+                "sliding_window": 64,
+            },
+            True,
+        ),
+        (
+            {
+                "layer_types": ["sliding_attention", "sliding_attention"],
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "is_causal": False,
+            },
+            False,
+        ),
         ({"is_causal": True}, True),
         ({}, False),
     ],

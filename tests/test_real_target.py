@@ -13,9 +13,8 @@ import threading
 import pytest
 import torch
 import transformers
-from transformers import AutoModel, GenerationConfig, TextIteratorStreamer
-
 from conftest import ROOT, readme_python_blocks
+from transformers import AutoModel, GenerationConfig, TextIteratorStreamer
 
 pytestmark = pytest.mark.slow
 
@@ -71,14 +70,27 @@ def plain(target, tok, ids, max_new_tokens=MAX_NEW, **kwargs):
     """Plain greedy `target.generate`, memoised per prompt and settings."""
     key = (tuple(ids[0].tolist()), max_new_tokens, repr(sorted((k, v) for k, v in kwargs.items() if k != "tokenizer")))
     if key not in _plain_cache:
-        _plain_cache[key] = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                            do_sample=False, pad_token_id=tok.eos_token_id, **kwargs)
+        _plain_cache[key] = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+            **kwargs,
+        )
     return _plain_cache[key]
 
 
 def assisted(target, tok, draft, ids, max_new_tokens=MAX_NEW, **kwargs):
-    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=max_new_tokens,
-                           do_sample=False, pad_token_id=tok.eos_token_id, **kwargs)
+    return target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        assistant_model=draft,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tok.eos_token_id,
+        **kwargs,
+    )
 
 
 class DraftCalls:
@@ -101,8 +113,8 @@ def test_some_answer_ends_with_eos_inside_the_budget(models, prompts):
     assert out[0, -1] == tokenizer.eos_token_id and out.shape[1] - prompts["math"].shape[1] < MAX_NEW
 
 
-# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.73 (stage 8, tree of 4 + lookup branch of 7;
-# stage 7: 1.70, stage 6: 1.65): raise it with a better draft
+# the shipped draft at its shipped settings, pooled over PROMPTS; measured 1.73 (stage 8, tree of 4 + lookup branch
+# of 7; stage 7: 1.70, stage 6: 1.65): raise it with a better draft
 TAU_FLOOR = 1.70
 
 
@@ -124,7 +136,9 @@ def test_the_int8_copy_decodes_exactly_and_keeps_the_acceptance(models, prompts)
         with DraftCalls(int8) as calls:
             stats = int8.spec_generate(target, ids, max_new_tokens=MAX_NEW, return_stats=True)
             routed = assisted(target, tokenizer, int8, ids)
-        assert torch.equal(stats.output_ids, plain(target, tokenizer, ids)) and torch.equal(routed, stats.output_ids), name
+        assert torch.equal(stats.output_ids, plain(target, tokenizer, ids)) and torch.equal(routed, stats.output_ids), (
+            name
+        )
         assert calls.count > len(stats.acceptance_lengths), "the int8 draft ran in both routes"
         lengths += stats.acceptance_lengths
         exact_lengths += draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, return_stats=True).acceptance_lengths
@@ -139,9 +153,18 @@ def test_spec_generate_equals_plain(models, prompts, block_size, schedule):
     for name, ids in prompts.items():
         expected = plain(target, tokenizer, ids)
         with DraftCalls(draft) as calls:
-            stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id],
-                                        block_size=block_size, block_size_schedule=schedule, return_stats=True)
-        assert torch.equal(stats.output_ids, expected), f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1]:])!r}"
+            stats = draft.spec_generate(
+                target,
+                ids,
+                max_new_tokens=MAX_NEW,
+                stop_token_ids=[tokenizer.eos_token_id],
+                block_size=block_size,
+                block_size_schedule=schedule,
+                return_stats=True,
+            )
+        assert torch.equal(stats.output_ids, expected), (
+            f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1] :])!r}"
+        )
         assert calls.count == len(stats.acceptance_lengths) >= 1
 
 
@@ -172,8 +195,14 @@ def test_a_left_padded_chat_batch_gives_every_row_its_plain_output(models, promp
     assert calls.count > 0, "the draft ran"
     if route == "spec_generate":  # a row drafts and accepts as it would alone: holes and padding cost no acceptance
         for row, text in enumerate(texts):
-            alone = draft.spec_generate(target, encode_chat(tokenizer, text), max_new_tokens=MAX_NEW, tree_budget=0,
-                                        prompt_lookup_num_tokens=0, return_stats=True).acceptance_lengths
+            alone = draft.spec_generate(
+                target,
+                encode_chat(tokenizer, text),
+                max_new_tokens=MAX_NEW,
+                tree_budget=0,
+                prompt_lookup_num_tokens=0,
+                return_stats=True,
+            ).acceptance_lengths
             in_batch = stats.acceptance_lengths[row]
             assert sum(in_batch) / len(in_batch) == pytest.approx(sum(alone) / len(alone), rel=0.02), f"{text!r}"
 
@@ -182,8 +211,14 @@ def test_a_chat_batch_through_generate_applies_processors_and_stop_strings_per_r
     """Repetition penalties and a stop string, as users set them: every row equals plain batched `generate`."""
     target, tokenizer, draft = models
     batch = chat_batch(tokenizer, [*PROMPTS.values(), "Name the capital of France."])
-    settings = dict(max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3,
-                    stop_strings=["\n\n"], tokenizer=tokenizer)
+    settings = dict(
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=3,
+        stop_strings=["\n\n"],
+        tokenizer=tokenizer,
+    )
     expected = target.generate(**batch, **settings)
     unprocessed = target.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
     assert expected.shape != unprocessed.shape or not torch.equal(expected, unprocessed), "the settings changed nothing"
@@ -197,30 +232,48 @@ def chat_batch(tokenizer, texts: list[str]) -> dict:
     """The chat prompts, left-padded by the tokenizer as users batch them."""
     side, pad, tokenizer.padding_side = tokenizer.padding_side, tokenizer.pad_token, "left"
     tokenizer.pad_token = pad or tokenizer.eos_token  # transformers 4.57's GGUF tokenizer has none, as is usual
-    batch = tokenizer.apply_chat_template([[{"role": "user", "content": t}] for t in texts], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True, padding=True)
+    batch = tokenizer.apply_chat_template(
+        [[{"role": "user", "content": t}] for t in texts],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+        padding=True,
+    )
     tokenizer.padding_side, tokenizer.pad_token = side, pad
     assert not bool(batch["attention_mask"].all()), "the prompts must need padding"
     return batch
 
 
 def encode_chat(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
 
 
 @pytest.mark.parametrize("block_size, budget", [(8, 4), (8, 16), (16, 32)])
 def test_spec_generate_with_a_tree_equals_plain(models, prompts, block_size, budget):
     target, tokenizer, draft = models
     verify_lengths = []
-    hook = target.register_forward_pre_hook(lambda m, a, kw: verify_lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    hook = target.register_forward_pre_hook(
+        lambda m, a, kw: verify_lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
         for name, ids in prompts.items():
             expected = plain(target, tokenizer, ids)
             verify_lengths.clear()
-            stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id],
-                                        block_size=block_size, tree_budget=budget, prompt_lookup_num_tokens=0, return_stats=True)
-            assert torch.equal(stats.output_ids, expected), f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1]:])!r}"
+            stats = draft.spec_generate(
+                target,
+                ids,
+                max_new_tokens=MAX_NEW,
+                stop_token_ids=[tokenizer.eos_token_id],
+                block_size=block_size,
+                tree_budget=budget,
+                prompt_lookup_num_tokens=0,
+                return_stats=True,
+            )
+            assert torch.equal(stats.output_ids, expected), (
+                f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1] :])!r}"
+            )
             assert set(verify_lengths[1:]) == {budget + 1}, "every round verified a tree of the budget"
     finally:
         hook.remove()
@@ -232,26 +285,37 @@ def test_shipped_lookup_branches_equal_plain_and_raise_acceptance(models, prompt
     target, tokenizer, draft = models
     assert draft.config.prompt_lookup_num_tokens and draft.config.tree_budget
     verify_lengths, with_lookup, without = [], [], []
-    hook = target.register_forward_pre_hook(lambda m, a, kw: verify_lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    hook = target.register_forward_pre_hook(
+        lambda m, a, kw: verify_lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
         for name, ids in prompts.items():
             stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, return_stats=True)
             expected = plain(target, tokenizer, ids)
-            assert torch.equal(stats.output_ids, expected), f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1]:])!r}"
+            assert torch.equal(stats.output_ids, expected), (
+                f"{name}: {tokenizer.decode(stats.output_ids[0, ids.shape[1] :])!r}"
+            )
             with_lookup += stats.acceptance_lengths
-            without += draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, prompt_lookup_num_tokens=0,
-                                           return_stats=True).acceptance_lengths
+            without += draft.spec_generate(
+                target, ids, max_new_tokens=MAX_NEW, prompt_lookup_num_tokens=0, return_stats=True
+            ).acceptance_lengths
     finally:
         hook.remove()
-    assert max(verify_lengths) > draft.config.tree_budget + 1, "some round verified lookup nodes beyond the draft's tree"
+    assert max(verify_lengths) > draft.config.tree_budget + 1, (
+        "some round verified lookup nodes beyond the draft's tree"
+    )
     assert sum(with_lookup) / len(with_lookup) > sum(without) / len(without)
 
 
 STATIC_CROPPABLE = getattr(__import__("transformers").cache_utils.StaticLayer, "is_croppable", False)
 
 
-@pytest.mark.skipif(not STATIC_CROPPABLE, reason="static caches need transformers 5 (4.x refuses them, tested elsewhere)")
-@pytest.mark.parametrize("options", [{"cache_implementation": "static"}, {"compile_verify": True}], ids=["static", "compiled"])
+@pytest.mark.skipif(
+    not STATIC_CROPPABLE, reason="static caches need transformers 5 (4.x refuses them, tested elsewhere)"
+)
+@pytest.mark.parametrize(
+    "options", [{"cache_implementation": "static"}, {"compile_verify": True}], ids=["static", "compiled"]
+)
 def test_spec_generate_with_a_static_cache_or_compiled_verify_equals_plain(models, prompts, options):
     """The shipped config (its tree) with a static cache, and with the verify step compiled: the compiled forward
     bypasses the module's call, so only the prefill reaches the eager target."""
@@ -263,8 +327,14 @@ def test_spec_generate_with_a_static_cache_or_compiled_verify_equals_plain(model
             expected = plain(target, tokenizer, ids)
             eager_calls.clear()
             with DraftCalls(draft) as calls:
-                stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id],
-                                            return_stats=True, **options)
+                stats = draft.spec_generate(
+                    target,
+                    ids,
+                    max_new_tokens=MAX_NEW,
+                    stop_token_ids=[tokenizer.eos_token_id],
+                    return_stats=True,
+                    **options,
+                )
             assert torch.equal(stats.output_ids, expected), name
             assert calls.count == len(stats.acceptance_lengths) > 1
             assert len(eager_calls) == (1 if options.get("compile_verify") else 1 + calls.count)
@@ -280,7 +350,13 @@ def dflash2_draft(models):
 
     _, _, draft = models
     config = draft.config.__class__.from_dict(draft.config.to_dict())
-    config.dflash_config = {**config.dflash_config, "conv_kernel_size": 2, "conv_group_size": 64, "selector_rank": 16, "selector_top_k": 8}
+    config.dflash_config = {
+        **config.dflash_config,
+        "conv_kernel_size": 2,
+        "conv_group_size": 64,
+        "selector_rank": 16,
+        "selector_top_k": 8,
+    }
     torch.manual_seed(0)
     dflash2 = DFlash2DraftModel(config).eval()
     missing = dflash2.load_state_dict(draft.state_dict(), strict=False).missing_keys
@@ -302,10 +378,12 @@ def test_dflash2_draft_equals_plain(models, prompts, dflash2_draft, route):
             expected = plain(target, tokenizer, ids)
             walks.clear()
             if route == "spec_generate":
-                out = dflash2_draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id])
+                out = dflash2_draft.spec_generate(
+                    target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id]
+                )
             else:
                 out = assisted(target, tokenizer, dflash2_draft, ids)
-            assert torch.equal(out, expected), f"{name}: {tokenizer.decode(out[0, ids.shape[1]:])!r}"
+            assert torch.equal(out, expected), f"{name}: {tokenizer.decode(out[0, ids.shape[1] :])!r}"
             assert len(walks) >= 1, "the selector chose the drafted tokens"
     finally:
         del dflash2_draft.candidate_selector.walk
@@ -317,17 +395,19 @@ def test_assisted_generate_equals_plain(models, prompts, name):
     ids = prompts[name]
     with DraftCalls(draft) as calls:
         out = assisted(target, tokenizer, draft, ids)
-    assert torch.equal(out, plain(target, tokenizer, ids)), tokenizer.decode(out[0, ids.shape[1]:])
+    assert torch.equal(out, plain(target, tokenizer, ids)), tokenizer.decode(out[0, ids.shape[1] :])
     assert calls.count >= 1
 
 
 def test_assisted_generate_with_stop_strings_and_eos_lists(models, prompts):
     target, tokenizer, draft = models
     ids = prompts["code"]
-    free = tokenizer.decode(plain(target, tokenizer, ids)[0, ids.shape[1]:])
+    free = tokenizer.decode(plain(target, tokenizer, ids)[0, ids.shape[1] :])
     word = free.split()[len(free.split()) // 2]  # a word from the middle of the answer
-    for extra in ({"stop_strings": [word], "tokenizer": tokenizer},
-                  {"eos_token_id": [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(":")]}):
+    for extra in (
+        {"stop_strings": [word], "tokenizer": tokenizer},
+        {"eos_token_id": [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(":")]},
+    ):
         expected = plain(target, tokenizer, ids, **extra)
         assert expected.shape[1] < ids.shape[1] + MAX_NEW, f"{extra} never stops plain decoding"
         assert torch.equal(assisted(target, tokenizer, draft, ids, **extra), expected), extra
@@ -336,7 +416,9 @@ def test_assisted_generate_with_stop_strings_and_eos_lists(models, prompts):
 def test_max_new_tokens_landing_inside_an_accepted_block(models, prompts):
     target, tokenizer, draft = models
     for ids in prompts.values():
-        stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id], return_stats=True)
+        stats = draft.spec_generate(
+            target, ids, max_new_tokens=MAX_NEW, stop_token_ids=[tokenizer.eos_token_id], return_stats=True
+        )
         done = 1  # the prefill's token
         for length in stats.acceptance_lengths:
             if length >= 2 and done + length < stats.num_output_tokens:
@@ -354,12 +436,14 @@ def test_assisted_generate_streams_what_it_returns(models, prompts):
     ids = prompts["chat"]
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("out", assisted(target, tokenizer, draft, ids, streamer=streamer)))
+    thread = threading.Thread(
+        target=lambda: result.setdefault("out", assisted(target, tokenizer, draft, ids, streamer=streamer))
+    )
     thread.start()
     text = "".join(streamer)
     thread.join()
     assert torch.equal(result["out"], plain(target, tokenizer, ids))
-    assert text == tokenizer.decode(result["out"][0, ids.shape[1]:])
+    assert text == tokenizer.decode(result["out"][0, ids.shape[1] :])
 
 
 def test_assisted_generate_returns_plain_scores(models, prompts):
@@ -403,22 +487,45 @@ def test_sampling_keeps_the_processors_support(models, prompts):
     ids = prompts["chat"]
     torch.manual_seed(0)
     with DraftCalls(draft) as calls:
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=True,
-                              temperature=0.8, top_k=4, top_p=0.9, max_new_tokens=MAX_NEW, pad_token_id=tokenizer.eos_token_id)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=draft,
+            do_sample=True,
+            temperature=0.8,
+            top_k=4,
+            top_p=0.9,
+            max_new_tokens=MAX_NEW,
+            pad_token_id=tokenizer.eos_token_id,
+        )
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(4), TopPLogitsWarper(0.9)])
     assert calls.count >= 1 and out.shape[1] > ids.shape[1] + 1
     assert all(in_support(target, out, ids.shape[1], processors)), "a token that top-k or top-p excludes"
     for tree_budget in (0, 16):
-        stats = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW, temperature=0.8, top_k=4, top_p=0.9, return_stats=True,
-                                    generator=torch.Generator().manual_seed(0), stop_token_ids=[tokenizer.eos_token_id],
-                                    tree_budget=tree_budget)
+        stats = draft.spec_generate(
+            target,
+            ids,
+            max_new_tokens=MAX_NEW,
+            temperature=0.8,
+            top_k=4,
+            top_p=0.9,
+            return_stats=True,
+            generator=torch.Generator().manual_seed(0),
+            stop_token_ids=[tokenizer.eos_token_id],
+            tree_budget=tree_budget,
+        )
         assert stats.num_output_tokens > 1 and len(stats.acceptance_lengths) >= 1
         assert all(in_support(target, stats.output_ids, ids.shape[1], processors)), f"tree_budget={tree_budget}"
 
 
 def run_demo(*args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "demo", PROMPTS["math"], "--max-new-tokens", "24", *args], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "demo", PROMPTS["math"], "--max-new-tokens", "24", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
@@ -427,7 +534,9 @@ def test_demo_prints_identical_output_in_float32():
     for draft in ("--draft-int8", "--no-draft-int8"):
         out = run_demo("--dtype", "float32", draft)
         versions = f"; transformers {transformers.__version__}, torch {torch.__version__}\n"
-        assert out.startswith("dtype float32" + versions) and "output identical to plain greedy (float32)" in out, out[-2000:]
+        assert out.startswith("dtype float32" + versions) and "output identical to plain greedy (float32)" in out, out[
+            -2000:
+        ]
         assert ("float32, int8 draft)" in out) == (draft == "--draft-int8"), out[-2000:]
 
 
@@ -441,7 +550,9 @@ def test_demo_by_default_says_its_dtype_and_explains_any_divergence():
     assert out.startswith(f"dtype {dtype}") and "speedup" in out, out[-2000:]
     if dtype != "float32":
         assert "tok/s (float32)" in out, out[-2000:]
-    assert f"identical to plain greedy ({dtype})" in out or "a rounding tie; --dtype float32 gives token-identical" in out, out[-2000:]
+    assert (
+        f"identical to plain greedy ({dtype})" in out or "a rounding tie; --dtype float32 gives token-identical" in out
+    ), out[-2000:]
 
 
 def test_bench_assisted_method_matches_plain(tmp_path):
@@ -449,8 +560,24 @@ def test_bench_assisted_method_matches_plain(tmp_path):
 
     from bench.run import main
 
-    code = main(["--dataset", "gsm,humaneval", "--max-samples", "1", "--max-new-tokens", "32", "--temperature", "0",
-                 "--methods", "spec-generate,assisted", "--threads", "2", "--out", str(tmp_path)])
+    code = main(
+        [
+            "--dataset",
+            "gsm,humaneval",
+            "--max-samples",
+            "1",
+            "--max-new-tokens",
+            "32",
+            "--temperature",
+            "0",
+            "--methods",
+            "spec-generate,assisted",
+            "--threads",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["dataset"], r["method"]): r for r in result["summary"]}
     assert code == 0 and not result["skipped"], result["skipped"]
@@ -496,8 +623,13 @@ def test_bfloat16_leaves_plain_greedy_only_at_rounding_ties(bf16_models, prompts
     target, tokenizer, draft = bf16_models
     draft = draft.int8_copy() if int8 else draft
     for name, ids in prompts.items():
-        expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                                   pad_token_id=tokenizer.eos_token_id)
+        expected = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
         with DraftCalls(draft) as calls:
             if route == "spec_generate":
                 out = draft.spec_generate(target, ids, max_new_tokens=MAX_NEW)

@@ -4,9 +4,6 @@ import warnings
 
 import pytest
 import torch
-
-from transformers import LogitsProcessorList, TemperatureLogitsWarper
-
 from conftest import (
     MASK_ID,
     MISMATCHES,
@@ -14,15 +11,17 @@ from conftest import (
     OracleDraft,
     chi_square_p_value,
     exact_joint_distribution,
-    sample_two_tokens,
     exact_two_token_distribution,
     float_linears,
     greedy_reference,
     make_draft,
     make_draft_config,
     make_target,
+    sample_two_tokens,
 )
-from generation_dflash import check_draft_fits_target, DraftHead, is_int8
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+from generation_dflash import DraftHead, check_draft_fits_target, is_int8
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
@@ -33,7 +32,9 @@ def test_greedy_equals_target_greedy(arch, block_size):
         ids = torch.randint(3, VOCAB - 1, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
         max_new = 3 * block_size + 1  # not a multiple of the block size
         expected = greedy_reference(target, ids, max_new)
-        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, temperature=0.0, block_size=block_size)
+        out = draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=max_new, temperature=0.0, block_size=block_size
+        )
         assert torch.equal(out, expected), f"{arch} B={block_size} prompt={prompt_len}"
 
 
@@ -47,7 +48,12 @@ def test_forced_partial_acceptance_at_every_k(block_size):
     for k in range(block_size):
         draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
         stats = draft.spec_generate(
-            target=target, input_ids=ids, max_new_tokens=max_new, temperature=0.0, block_size=block_size, return_stats=True
+            target=target,
+            input_ids=ids,
+            max_new_tokens=max_new,
+            temperature=0.0,
+            block_size=block_size,
+            return_stats=True,
         )
         assert torch.equal(stats.output_ids, reference[:, : 6 + max_new]), f"k={k}"
         assert stats.acceptance_lengths[:-1] == [k + 1] * (len(stats.acceptance_lengths) - 1), f"k={k}"
@@ -114,7 +120,9 @@ def test_sampling_in_bfloat16_matches_target_distribution():
     temperature = 1.0
     n = 2000
     exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
-    draft = OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7).to(torch.bfloat16)
+    draft = (
+        OracleDraft(make_draft_config()).eval().setup(target, greedy_reference(target, ids, 8), 7).to(torch.bfloat16)
+    )
     counts, accepted = sample_two_tokens(draft, target, ids, n, temperature)
     assert accepted > n // 5, "the test needs drafted tokens to be accepted"
     p_value, chi2, dof = chi_square_p_value(counts, exact)
@@ -148,11 +156,23 @@ def test_mismatched_draft_is_refused(change, message):
     "kwargs, message",
     [
         ({"input_ids": torch.tensor([[[5, 6]]])}, "shape \\[batch, prompt_len\\]"),
-        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[1, 0], [1, 1]])}, "left padding"),
-        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[0, 0], [1, 1]])}, "left padding"),
-        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[2, 1], [1, 1]])}, "0 \\(padding\\)"),
+        (
+            {"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[1, 0], [1, 1]])},
+            "left padding",
+        ),
+        (
+            {"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[0, 0], [1, 1]])},
+            "left padding",
+        ),
+        (
+            {"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.tensor([[2, 1], [1, 1]])},
+            "0 \\(padding\\)",
+        ),
         ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.ones(2, 3)}, "attention_mask has shape"),
-        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "tree_budget": 4}, "tree_budget=4 is not supported with a batch"),
+        (
+            {"input_ids": torch.tensor([[5, 6], [7, 8]]), "tree_budget": 4},
+            "tree_budget=4 is not supported with a batch",
+        ),
         ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_lookup_num_tokens": 3}, "not supported with a batch"),
         ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "block_size_schedule": "heuristic"}, "block_size_schedule"),
         ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "compile_verify": True}, "compile_verify"),
@@ -165,7 +185,10 @@ def test_mismatched_draft_is_refused(change, message):
         ({"input_ids": torch.tensor([[5, VOCAB]])}, f"input_ids must be in \\[0, {VOCAB}\\)"),
         ({"input_ids": torch.tensor([[-1, 5]])}, "input_ids must be in"),
         ({"input_ids": {"attention_mask": torch.ones(1, 2)}}, "mapping without an 'input_ids' entry"),
-        ({"input_ids": {"input_ids": torch.tensor([[5, 0]]), "attention_mask": torch.tensor([[1, 0]])}}, "left padding"),
+        (
+            {"input_ids": {"input_ids": torch.tensor([[5, 0]]), "attention_mask": torch.tensor([[1, 0]])}},
+            "left padding",
+        ),
         ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer, got 1.5"),
         ({"block_size": 4.0}, "block_size must be an integer"),
         ({"stop_token_ids": ["x"]}, "stop_token_ids must be a token id or a list of them"),
@@ -207,11 +230,15 @@ def test_stops_at_the_targets_configured_eos_unless_told_otherwise():
     eos = int(reference[0, 3 + 6])
     assert eos not in reference[0, 3 : 3 + 6].tolist()
     target.generation_config.eos_token_id = [VOCAB - 3, eos]
-    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    plain = target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0
+    )
     draft = OracleDraft(make_draft_config()).eval().setup(target, reference, 3)
     assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20), plain)
     assert plain.shape[1] == 3 + 7 and plain[0, -1] == eos
-    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, stop_token_ids=None), reference)
+    assert torch.equal(
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, stop_token_ids=None), reference
+    )
 
 
 def test_streamer_gets_prompt_then_each_output_token_once():
@@ -235,20 +262,31 @@ def test_heuristic_schedule_adapts_block_and_stays_exact(k, blocks):
     ids = torch.tensor([[5, 6, 7]])
     reference = greedy_reference(target, ids, 80)
     draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
-    stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=60, block_size=8, block_size_schedule="heuristic", return_stats=True)
+    stats = draft.spec_generate(
+        target=target,
+        input_ids=ids,
+        max_new_tokens=60,
+        block_size=8,
+        block_size_schedule="heuristic",
+        return_stats=True,
+    )
     assert torch.equal(stats.output_ids, reference[:, :63])
     assert draft.blocks[: len(blocks)] == blocks
 
 
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="block size schedule 'heuristic_transient' is not supported"):
-        make_draft().spec_generate(target=make_target("llama"), input_ids=torch.tensor([[5]]), block_size_schedule="heuristic_transient")
+        make_draft().spec_generate(
+            target=make_target("llama"), input_ids=torch.tensor([[5]]), block_size_schedule="heuristic_transient"
+        )
 
 
 def verified_blocks(target):
     """Records the token ids of every target pass after the prefill (the verified blocks)."""
     passes = []
-    handle = target.register_forward_pre_hook(lambda m, args, kwargs: passes.append(kwargs["input_ids"][0].tolist()), with_kwargs=True)
+    handle = target.register_forward_pre_hook(
+        lambda m, args, kwargs: passes.append(kwargs["input_ids"][0].tolist()), with_kwargs=True
+    )
     return passes, handle
 
 
@@ -308,8 +346,9 @@ def test_float_drafts_run_every_route_without_torch_ao(monkeypatch):
     batch = draft.spec_generate(target, ids, max_new_tokens=12, stop_token_ids=[])
     for row, batched, reference in zip(ids, batch, expected):
         assert torch.equal(draft.spec_generate(target, row[None], max_new_tokens=12), reference)
-        assert torch.equal(target.generate(row[None], assistant_model=draft, max_new_tokens=12, do_sample=False),
-                           reference)
+        assert torch.equal(
+            target.generate(row[None], assistant_model=draft, max_new_tokens=12, do_sample=False), reference
+        )
         assert torch.equal(batched[None], reference)
     with pytest.raises(ImportError):
         draft.int8_copy()  # proves the namespace was gone while the float routes ran
@@ -332,8 +371,14 @@ def test_draft_vocab_limits_proposals_and_output_stays_exact(block_size):
     assert torch.equal(stats.output_ids, reference[:, :43])
     assert all(t in vocab for block in passes[1:] for t in block[1:]), "a proposal outside draft_vocab"
     assert max(stats.acceptance_lengths) == block_size and min(stats.acceptance_lengths) < block_size
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=40,
-                          do_sample=False, pad_token_id=0)
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        assistant_model=draft,
+        max_new_tokens=40,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert torch.equal(out, reference[:, :43])
 
 
@@ -348,8 +393,10 @@ def test_target_is_never_asked_for_all_hidden_states():
     """The draft reads a few target layers; prefill and verify keep only those (forward hooks), on 4.57 and 5.x."""
     target, draft = make_target("llama"), make_draft()
     seen = []
-    target.register_forward_hook(lambda m, args, kwargs, out: seen.append((kwargs.get("output_hidden_states"), out.hidden_states)),
-                                 with_kwargs=True)
+    target.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((kwargs.get("output_hidden_states"), out.hidden_states)),
+        with_kwargs=True,
+    )
     ids = torch.tensor([[5, 6, 7]])
     expected = greedy_reference(target, ids, 12)
     seen.clear()
@@ -365,7 +412,9 @@ def test_one_device_to_host_transfer_per_chain_round(monkeypatch):
     transfers = []
     for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (transfers.append(_n), _o(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (transfers.append(_n), _o(self, *a, **k))[1]
+        )
     stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, return_stats=True)
     monkeypatch.undo()
     assert torch.equal(stats.output_ids, expected)
@@ -397,8 +446,18 @@ def test_top_k_and_top_p_sampling_matches_the_filtered_distribution(tree_budget)
     g = torch.Generator().manual_seed(0)
     counts, accepted = torch.zeros(VOCAB * VOCAB), 0
     for _ in range(n):
-        stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=0.8, top_k=6, top_p=0.85,
-                                    block_size=4, tree_budget=tree_budget, return_stats=True, generator=g)
+        stats = draft.spec_generate(
+            target=target,
+            input_ids=ids,
+            max_new_tokens=2,
+            temperature=0.8,
+            top_k=6,
+            top_p=0.85,
+            block_size=4,
+            tree_budget=tree_budget,
+            return_stats=True,
+            generator=g,
+        )
         t1, t2 = stats.output_ids[0, 3:].tolist()
         counts[t1 * VOCAB + t2] += 1
         accepted += stats.acceptance_lengths[0] > 1
@@ -410,15 +469,20 @@ def test_top_k_and_top_p_sampling_matches_the_filtered_distribution(tree_budget)
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"temperature": -1.0}, "temperature must be at least 0"), ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-     ({"top_k": -2}, "top_k must be a non-negative integer")],
+    [
+        ({"temperature": -1.0}, "temperature must be at least 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be a non-negative integer"),
+    ],
 )
 def test_bad_sampling_arguments_fail_before_compute(kwargs, message):
     target = make_target("llama")
     calls = []
     target.register_forward_pre_hook(lambda *a: calls.append(1))
     with pytest.raises(ValueError, match=message):
-        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, **({"temperature": 1.0} | kwargs))
+        make_draft().spec_generate(
+            target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, **({"temperature": 1.0} | kwargs)
+        )
     assert not calls
 
 
@@ -442,7 +506,7 @@ def test_input_embedding_scale_embeds_from_the_raw_table():
         block = torch.tensor([[9, MASK_ID, MASK_ID]])
         assert torch.allclose(draft_embedding(draft, target)(block), raw[block] * factor)
         seen = []
-        draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["noise_embeds"]), with_kwargs=True)
+        draft.register_forward_pre_hook(lambda m, a, kw, seen=seen: seen.append(kw["noise_embeds"]), with_kwargs=True)
         assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, block_size=4), expected)
         assert torch.allclose(seen[0][0, 1], raw[MASK_ID] * factor)
 
@@ -458,7 +522,9 @@ def test_output_multiplier_and_softcapping_shape_the_draft_logits_only():
         assert torch.allclose(DraftHead(draft, lm_head)(hidden), expected, atol=1e-6)
         draft.config.draft_vocab = [3, 9]
         subset = DraftHead(draft, lm_head)(hidden)
-    assert torch.isinf(subset).sum() == 3 * (VOCAB - 2) and torch.allclose(subset[..., [3, 9]], expected[..., [3, 9]], atol=1e-6)
+    assert torch.isinf(subset).sum() == 3 * (VOCAB - 2) and torch.allclose(
+        subset[..., [3, 9]], expected[..., [3, 9]], atol=1e-6
+    )
     ids = torch.tensor([[5, 6, 7]])
     draft.config.draft_vocab = None
     out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, temperature=0.0, block_size=4)
@@ -478,8 +544,12 @@ def test_static_cache_is_exact_where_it_can_be_cropped(arch, tree_budget):
     target, draft = make_target(arch), make_draft()
     ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
     expected, caches = greedy_reference(target, ids, 20), []
-    target.register_forward_pre_hook(lambda m, a, kw: caches.append(kw.get("cache", kw.get("past_key_values"))), with_kwargs=True)
-    run = lambda **kw: draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=tree_budget, **kw)  # noqa: E731
+    target.register_forward_pre_hook(
+        lambda m, a, kw: caches.append(kw.get("cache", kw.get("past_key_values"))), with_kwargs=True
+    )
+    run = lambda **kw: draft.spec_generate(
+        target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=tree_budget, **kw
+    )
     if not STATIC_CROPPABLE:
         with pytest.raises(ValueError, match="static one on transformers 5 or newer"):
             run(cache_implementation="static")
@@ -494,7 +564,10 @@ def test_static_cache_is_exact_where_it_can_be_cropped(arch, tree_budget):
     "kwargs, message",
     [
         ({"cache_implementation": "offloaded"}, "cache_implementation='offloaded' is not supported"),
-        ({"cache_implementation": "static", "past_key_values": "cache"}, "either cache_implementation or past_key_values"),
+        (
+            {"cache_implementation": "static", "past_key_values": "cache"},
+            "either cache_implementation or past_key_values",
+        ),
         ({"past_key_values": "filled"}, "past_key_values must be empty"),
         ({"past_key_values": "short"}, "the cache holds 8 tokens; this call may need"),
     ],
@@ -519,26 +592,41 @@ def test_bad_cache_arguments_fail_before_compute(kwargs, message):
     assert not calls
 
 
-@pytest.mark.skipif(not STATIC_CROPPABLE, reason="a compiled verify needs a static cache, which transformers 4.x cannot crop")
+@pytest.mark.skipif(
+    not STATIC_CROPPABLE, reason="a compiled verify needs a static cache, which transformers 4.x cannot crop"
+)
 def test_compiled_verify_is_exact_and_feeds_the_draft_the_same_features():
     """`compile_verify=True` runs every verify pass through one compiled graph (static cache, constant block): greedy
     output is identical at every acceptance length, and the draft sees the same target features as eager."""
     target, ids = make_target("llama"), torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
     reference = greedy_reference(target, ids, 20)
-    compiled = lambda draft: draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, compile_verify=True)  # noqa: E731
+    compiled = lambda draft: draft.spec_generate(
+        target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, compile_verify=True
+    )
     for k in range(4):
         draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
         assert torch.equal(compiled(draft), reference), k
-        assert all(length == k + 1 for length in draft.spec_generate(
-            target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, compile_verify=True, return_stats=True,
-        ).acceptance_lengths[:-1])
+        assert all(
+            length == k + 1
+            for length in draft.spec_generate(
+                target=target,
+                input_ids=ids,
+                max_new_tokens=20,
+                block_size=4,
+                tree_budget=0,
+                compile_verify=True,
+                return_stats=True,
+            ).acceptance_lengths[:-1]
+        )
     eager_calls = []  # the compiled forward bypasses the module's call, so only the eager prefill is seen here
     hook = target.register_forward_pre_hook(lambda *a: eager_calls.append(1))
     assert torch.equal(compiled(draft), reference) and len(eager_calls) == 1
     hook.remove()
     draft, seen = make_draft(), []
     draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["context_hidden_states"].clone()), with_kwargs=True)
-    eager = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, cache_implementation="static")
+    eager = draft.spec_generate(
+        target=target, input_ids=ids, max_new_tokens=20, block_size=4, tree_budget=0, cache_implementation="static"
+    )
     eager_seen, seen[:] = list(seen), []
     assert torch.equal(compiled(draft), eager) and torch.equal(eager, reference)
     assert len(seen) == len(eager_seen) > 1 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(seen, eager_seen))
@@ -557,7 +645,9 @@ def test_compiled_verify_refuses_changing_shapes_before_compute(kwargs, message)
     target, calls = make_target("llama"), []
     target.register_forward_pre_hook(lambda *a: calls.append(1))
     with pytest.raises(ValueError, match=message):
-        make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=12, compile_verify=True, **kwargs)
+        make_draft().spec_generate(
+            target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=12, compile_verify=True, **kwargs
+        )
     assert not calls and "_dflash_compiled_forward" not in target.__dict__
 
 
@@ -572,5 +662,8 @@ def test_generation_config_settings_it_does_not_apply_are_named():
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4)  # a plain config: nothing to say
     target.generation_config.repetition_penalty = 1.3
     target.generation_config.suppress_tokens = [9]
-    with pytest.warns(UserWarning, match=r"does not apply the target's generation_config settings \['repetition_penalty', 'suppress_tokens'\]"):
+    with pytest.warns(
+        UserWarning,
+        match=r"does not apply the target's generation_config settings \['repetition_penalty', 'suppress_tokens'\]",
+    ):
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4)

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 from conftest import MASK_ID, ROOT, TARGET_LAYERS, VOCAB, greedy_reference, make_draft, make_target
+
 from configuration_dflash import DFlashConfig
 from modeling_dflash import DFlashDraftModel
-
 from training import (
     TrainConfig,
     anchor_attention_mask,
@@ -82,19 +82,29 @@ def test_block_sparse_pass_equals_one_block_at_a_time():
     draft = tiny_draft(target)
     ids = torch.randint(4, VOCAB - 1, (1, 24), generator=torch.Generator().manual_seed(0))
     anchors, block = torch.tensor([[5, 9, 17]]), draft.config.block_size
-    from training.trainer import target_pass
     from training.anchors import additive_mask
+    from training.trainer import target_pass
 
     features, _ = target_pass(target, ids, torch.tensor([24]), draft.config.target_layer_ids)
-    tokens, _, _ = block_inputs(ids, anchors, torch.ones_like(anchors, dtype=torch.bool), torch.tensor([24]), block, MASK_ID)
+    tokens, _, _ = block_inputs(
+        ids, anchors, torch.ones_like(anchors, dtype=torch.bool), torch.tensor([24]), block, MASK_ID
+    )
     embed = target.get_input_embeddings()
     positions = torch.cat([torch.arange(24)[None], (anchors[..., None] + torch.arange(block)).flatten(1)], dim=1)
     mask = additive_mask(anchor_attention_mask(anchors, 24, block), torch.float32)
     with torch.no_grad():
-        together = draft(noise_embeds=embed(tokens.flatten(1)), context_hidden_states=features, position_ids=positions, attention_mask=mask).last_hidden_state
+        together = draft(
+            noise_embeds=embed(tokens.flatten(1)),
+            context_hidden_states=features,
+            position_ids=positions,
+            attention_mask=mask,
+        ).last_hidden_state
         for j, a in enumerate(anchors[0].tolist()):
-            alone = draft(noise_embeds=embed(tokens[:, j]), context_hidden_states=features[:, :a],
-                          position_ids=torch.arange(a + block)[None]).last_hidden_state
+            alone = draft(
+                noise_embeds=embed(tokens[:, j]),
+                context_hidden_states=features[:, :a],
+                position_ids=torch.arange(a + block)[None],
+            ).last_hidden_state
             torch.testing.assert_close(together[:, j * block : (j + 1) * block], alone, atol=1e-5, rtol=1e-5)
 
 
@@ -137,8 +147,16 @@ def test_dpace_loss_weights_each_label_by_the_drafts_own_confidence():
     target = make_target("llama")
     draft = tiny_draft(target)
     batch = collate(random_sequences(2), pad_id=0)
-    run = lambda **kw: block_loss(draft, target, batch, num_anchors=3, generator=torch.Generator().manual_seed(0),
-                                  weights=loss_weights(4, 4.0), distill_weight=0.0, **kw)
+    run = lambda **kw: block_loss(
+        draft,
+        target,
+        batch,
+        num_anchors=3,
+        generator=torch.Generator().manual_seed(0),
+        weights=loss_weights(4, 4.0),
+        distill_weight=0.0,
+        **kw,
+    )
     captured, original = {}, torch.Tensor.log_softmax
 
     def spy(logits, dim):  # the draft's log-probabilities, as the loss saw them
@@ -175,7 +193,15 @@ def test_one_training_step_reduces_the_loss():
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
 
     def loss_now():
-        return block_loss(draft, target, batch, num_anchors=8, generator=torch.Generator().manual_seed(0), weights=weights, distill_weight=0.5)[0]
+        return block_loss(
+            draft,
+            target,
+            batch,
+            num_anchors=8,
+            generator=torch.Generator().manual_seed(0),
+            weights=weights,
+            distill_weight=0.5,
+        )[0]
 
     before = loss_now()
     before.backward()
@@ -194,9 +220,16 @@ def test_loss_vocabulary_keeps_the_most_frequent_response_tokens():
     index, mask = full_to_subset(torch.tensor([7, 8, 5]), torch.tensor([True, True, True]), vocab)
     assert index[mask].tolist() == [1, 0] and mask.tolist() == [True, False, True]
     target = make_target("llama", initializer_range=0.2)
-    loss, metrics = block_loss(tiny_draft(target), target, collate(random_sequences(2), 0), num_anchors=4,
-                               generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0),
-                               distill_weight=0.5, vocab=torch.arange(10, 40))
+    loss, metrics = block_loss(
+        tiny_draft(target),
+        target,
+        collate(random_sequences(2), 0),
+        num_anchors=4,
+        generator=torch.Generator().manual_seed(0),
+        weights=loss_weights(4, 4.0),
+        distill_weight=0.5,
+        vocab=torch.arange(10, 40),
+    )
     assert torch.isfinite(loss) and 0 <= metrics["accuracy_1"] <= 1
 
 
@@ -231,7 +264,7 @@ class TeacherOracle(torch.nn.Module):
         self.config, self.final_hidden = config, final_hidden
 
     def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask):
-        block_positions = position_ids[:, context_hidden_states.shape[1]:]
+        block_positions = position_ids[:, context_hidden_states.shape[1] :]
         source = (block_positions - 1).clamp(0, self.final_hidden.shape[1] - 1)
         hidden = self.final_hidden.gather(1, source[..., None].expand(-1, -1, self.final_hidden.shape[-1]))
         return type("Out", (), {"last_hidden_state": hidden})()
@@ -246,9 +279,16 @@ def test_a_draft_that_copies_the_target_scores_full_blocks(vocab):
     batch = collate(random_sequences(2, length=40), pad_id=0)
     config = tiny_draft(target).config
     _, final_hidden = target_pass(target, batch["input_ids"], batch["lengths"], config.target_layer_ids)
-    _, metrics = block_loss(TeacherOracle(config, final_hidden), target, batch, num_anchors=8,
-                            generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0),
-                            distill_weight=0.5, vocab=vocab)
+    _, metrics = block_loss(
+        TeacherOracle(config, final_hidden),
+        target,
+        batch,
+        num_anchors=8,
+        generator=torch.Generator().manual_seed(0),
+        weights=loss_weights(4, 4.0),
+        distill_weight=0.5,
+        vocab=vocab,
+    )
     assert metrics["blocks"] > 0 and metrics["accuracy_1"] == 1.0 and metrics["tau"] == config.block_size
 
 
@@ -263,18 +303,37 @@ def test_labels_outside_the_loss_vocabulary_are_misses():
     written = target_greedy(target, final_hidden)[:, 6:-1].flatten().tolist()
     common = max(set(written), key=written.count)
     vocab = torch.tensor([t for t in range(VOCAB) if t != common])
-    _, metrics = block_loss(TeacherOracle(config, final_hidden), target, batch, num_anchors=30,
-                            generator=torch.Generator().manual_seed(0), weights=loss_weights(4, 4.0), distill_weight=0.5, vocab=vocab)
+    _, metrics = block_loss(
+        TeacherOracle(config, final_hidden),
+        target,
+        batch,
+        num_anchors=30,
+        generator=torch.Generator().manual_seed(0),
+        weights=loss_weights(4, 4.0),
+        distill_weight=0.5,
+        vocab=vocab,
+    )
     assert metrics["blocks"] > 0 and metrics["accuracy_1"] < 1.0 and metrics["tau"] < config.block_size
 
 
 ROPE_LAYOUTS = {
-    "flat": ({"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}}, {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}),
-    "per layer type (Gemma 3)": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-                                 {"rope_type": "default", "rope_theta": 1e6}),
-    "top-level fields (transformers 4)": ({"rope_theta": 2e4, "rope_scaling": {"type": "linear", "factor": 4.0}},
-                                          {"rope_type": "linear", "rope_theta": 2e4, "factor": 4.0}),
+    "flat": (
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}},
+        {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0},
+    ),
+    "per layer type (Gemma 3)": (
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            }
+        },
+        {"rope_type": "default", "rope_theta": 1e6},
+    ),
+    "top-level fields (transformers 4)": (
+        {"rope_theta": 2e4, "rope_scaling": {"type": "linear", "factor": 4.0}},
+        {"rope_type": "linear", "rope_theta": 2e4, "factor": 4.0},
+    ),
     "none": ({}, {"rope_type": "default", "rope_theta": 10000.0}),
 }
 
@@ -294,13 +353,26 @@ def test_a_draft_trains_and_decodes_exactly_for_a_sliding_window_gemma3_target(t
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                              max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config._attn_implementation = "sdpa"
     target = Gemma3ForCausalLM(config).eval()
     target.generation_config.eos_token_id = None
-    draft_config = build_draft_config(target, num_layers=2, target_layer_ids=[0, 2], block_size=4, mask_token_id=MASK_ID)
+    draft_config = build_draft_config(
+        target, num_layers=2, target_layer_ids=[0, 2], block_size=4, mask_token_id=MASK_ID
+    )
     draft = new_draft(target, draft_config, init="target")
     summary = train(draft, target, random_sequences(4), tmp_path, quick_config(max_steps=2), progress=False)
     assert summary["step"] == 2
@@ -317,14 +389,26 @@ def test_train_with_dpace_weights_reduces_the_training_loss(tmp_path):
 
     def loss_now():
         with torch.no_grad():
-            return float(block_loss(draft, target, batch, num_anchors=4, generator=torch.Generator().manual_seed(0),
-                                    weights=loss_weights(4, 4.0), distill_weight=0.5, dpace_alpha=0.5)[0])
+            return float(
+                block_loss(
+                    draft,
+                    target,
+                    batch,
+                    num_anchors=4,
+                    generator=torch.Generator().manual_seed(0),
+                    weights=loss_weights(4, 4.0),
+                    distill_weight=0.5,
+                    dpace_alpha=0.5,
+                )[0]
+            )
 
     before = loss_now()
     summary = train(draft, target, data, tmp_path, quick_config(max_steps=6, position_weights="dpace"), progress=False)
     assert summary["step"] == 6 and loss_now() < before
     with pytest.raises(ValueError, match="position_weights"):
-        train(tiny_draft(target), target, data, tmp_path / "bad", quick_config(position_weights="linear"), progress=False)
+        train(
+            tiny_draft(target), target, data, tmp_path / "bad", quick_config(position_weights="linear"), progress=False
+        )
 
 
 def test_train_records_the_loss_vocabulary_in_the_draft_config(tmp_path):
@@ -338,12 +422,22 @@ def test_resume_refuses_changed_settings_or_data(tmp_path):
     target = make_target("llama")
     data = random_sequences(8)
     train(tiny_draft(target), target, data, tmp_path, quick_config(max_steps=6, stop_after=2), progress=False)
-    for config, seqs, changed in ((quick_config(max_steps=6, batch_size=4), data, "batch_size"),
-                                  (quick_config(max_steps=8), data, "max_steps"),
-                                  (quick_config(max_steps=6), random_sequences(8, seed=9), "data")):
+    for config, seqs, changed in (
+        (quick_config(max_steps=6, batch_size=4), data, "batch_size"),
+        (quick_config(max_steps=8), data, "max_steps"),
+        (quick_config(max_steps=6), random_sequences(8, seed=9), "data"),
+    ):
         with pytest.raises(ValueError, match=f"other training settings or data \\({changed}\\)"):
             train(tiny_draft(target), target, seqs, tmp_path, config, progress=False)
-    summary = train(tiny_draft(target), target, data, tmp_path, quick_config(max_steps=8), progress=False, allow_changed_settings=True)
+    summary = train(
+        tiny_draft(target),
+        target,
+        data,
+        tmp_path,
+        quick_config(max_steps=8),
+        progress=False,
+        allow_changed_settings=True,
+    )
     assert summary["step"] == 8
 
 
@@ -371,7 +465,9 @@ def test_cli_reports_its_refusals_in_one_line(tmp_path, capsys):
     (tmp_path / "out" / "notes.txt").write_text("mine")
     assert cli(["--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "python -m training: error: output folder" in err and "refusing to overwrite" in err and "Traceback" not in err
+    assert (
+        "python -m training: error: output folder" in err and "refusing to overwrite" in err and "Traceback" not in err
+    )
 
 
 def test_cached_responses_only_selects_what_the_cache_holds(tmp_path):
@@ -398,7 +494,9 @@ def test_export_refuses_a_draft_that_scores_below_the_shipped_one(tmp_path):
     new_draft(target, config, init="random").save_pretrained(worse)
     seen = []
     # the policy under test; the scoring itself is `evaluate`, tested above
-    score = lambda d: seen.append((d.config.num_hidden_layers, d.config.block_size)) or {2: 1.5, 1: 1.2}[d.config.num_hidden_layers]  # noqa: E731
+    score = lambda d: (
+        seen.append((d.config.num_hidden_layers, d.config.block_size)) or {2: 1.5, 1: 1.2}[d.config.num_hidden_layers]
+    )
     assert install_if_better(better, repo, score) == {"new": 1.5}  # an empty repo takes any draft
     shipped = (repo / "model.safetensors").read_bytes()
     with pytest.raises(SystemExit, match="scores 1.200, below the shipped draft's 1.500; nothing was replaced"):
@@ -442,8 +540,10 @@ def test_preconditioned_fc_keeps_the_function_and_saves_the_published_layout(tmp
     save_draft(trained, tmp_path / "out")
     assert "fc.weight" in load_file(tmp_path / "out" / "model.safetensors")
     loaded = type(trained).from_pretrained(tmp_path / "out").eval()
-    torch.testing.assert_close(loaded(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state,
-                               trained.eval()(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state)
+    torch.testing.assert_close(
+        loaded(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state,
+        trained.eval()(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state,
+    )
     assert not torch.equal(loaded.fc.weight, tiny_draft(target).fc.weight)  # fc did train
 
 
@@ -452,13 +552,34 @@ def test_resume_after_interruption_gives_identical_state(tmp_path, precondition_
     target = make_target("llama")
     data = random_sequences(8)
     straight = tiny_draft(target)
-    train(straight, target, data, tmp_path / "straight", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc), progress=False)
+    train(
+        straight,
+        target,
+        data,
+        tmp_path / "straight",
+        quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc),
+        progress=False,
+    )
 
     resumed = tiny_draft(target)  # stopped in the middle of a batch's two updates
-    summary = train(resumed, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc, stop_after=3), progress=False)
+    summary = train(
+        resumed,
+        target,
+        data,
+        tmp_path / "resumed",
+        quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc, stop_after=3),
+        progress=False,
+    )
     assert {k: summary[k] for k in ("step", "finished", "history")} == {"step": 3, "finished": False, "history": []}
     again = tiny_draft(target)  # a fresh process: everything comes from the checkpoint
-    summary = train(again, target, data, tmp_path / "resumed", quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc), progress=False)
+    summary = train(
+        again,
+        target,
+        data,
+        tmp_path / "resumed",
+        quick_config(max_steps=6, updates_per_batch=2, precondition_fc=precondition_fc),
+        progress=False,
+    )
     assert summary["step"] == 6
     for (name, a), b in zip(straight.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
@@ -470,8 +591,15 @@ def test_resume_after_interruption_gives_identical_state(tmp_path, precondition_
 
 def test_periodic_held_out_evaluation_is_recorded(tmp_path):
     target = make_target("llama")
-    summary = train(tiny_draft(target), target, random_sequences(4), tmp_path, quick_config(max_steps=2, eval_every=1),
-                    eval_sequences={"held": random_sequences(2, seed=5)}, progress=False)
+    summary = train(
+        tiny_draft(target),
+        target,
+        random_sequences(4),
+        tmp_path,
+        quick_config(max_steps=2, eval_every=1),
+        eval_sequences={"held": random_sequences(2, seed=5)},
+        progress=False,
+    )
     assert [h["step"] for h in summary["history"]] == [0, 1, 2]
     assert all(1.0 <= h["held/tau"] <= 4.0 for h in summary["history"])
 
@@ -483,7 +611,10 @@ def test_periodic_held_out_evaluation_is_recorded(tmp_path):
 def test_regenerated_responses_are_cached_and_reused(tmp_path, monkeypatch):
     target = make_target("llama")
     tok = TinyTokenizer()
-    examples = [{"id": f"p/{i}", "messages": [{"role": "user", "content": f"hi {i}"}], "response": None, "source": "p"} for i in range(3)]
+    examples = [
+        {"id": f"p/{i}", "messages": [{"role": "user", "content": f"hi {i}"}], "response": None, "source": "p"}
+        for i in range(3)
+    ]
     cache = tmp_path / "responses.jsonl"
     first = regenerate_responses(target, tok, examples[:2], cache, batch_size=2, max_new_tokens=5, progress=False)
     assert len(first) == 2 and all(1 <= len(v) <= 5 for v in first.values())
@@ -505,11 +636,25 @@ def test_processes_regenerate_disjoint_shares_that_join(tmp_path):
     from training.data import read_response_cache
 
     target, tok = make_target("llama"), TinyTokenizer()
-    examples = [{"id": f"p/{i}", "messages": [{"role": "user", "content": f"hi {i}"}], "response": None, "source": "p"} for i in range(5)]
-    alone = regenerate_responses(target, tok, examples, tmp_path / "one" / "responses.jsonl", batch_size=1, max_new_tokens=4, progress=False)
+    examples = [
+        {"id": f"p/{i}", "messages": [{"role": "user", "content": f"hi {i}"}], "response": None, "source": "p"}
+        for i in range(5)
+    ]
+    alone = regenerate_responses(
+        target, tok, examples, tmp_path / "one" / "responses.jsonl", batch_size=1, max_new_tokens=4, progress=False
+    )
     for rank in (0, 1):
-        regenerate_responses(target, tok, examples, tmp_path / "two" / "responses.jsonl", batch_size=1, max_new_tokens=4,
-                             progress=False, rank=rank, world=2)
+        regenerate_responses(
+            target,
+            tok,
+            examples,
+            tmp_path / "two" / "responses.jsonl",
+            batch_size=1,
+            max_new_tokens=4,
+            progress=False,
+            rank=rank,
+            world=2,
+        )
     shards = [read_response_cache(tmp_path / "two" / f"responses.rank{r}.jsonl") for r in (0, 1)]
     assert sorted(shards[0]) == ["p/0", "p/2", "p/4"] and sorted(shards[1]) == ["p/1", "p/3"]
     assert read_response_cache(tmp_path / "two" / "responses.jsonl") == alone
@@ -517,7 +662,11 @@ def test_processes_regenerate_disjoint_shares_that_join(tmp_path):
 
 def test_jsonl_sources_and_truncated_json_arrays(tmp_path):
     path = tmp_path / "mine.jsonl"
-    lines = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, {"text": "plain"}, {"prompt": "p"}]
+    lines = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"text": "plain"},
+        {"prompt": "p"},
+    ]
     path.write_text("\n".join(json.dumps(x) for x in lines))
     examples = load_examples(str(path))
     assert [e["response"] for e in examples] == ["a", "plain", None]
@@ -533,7 +682,9 @@ def test_jsonl_sources_and_truncated_json_arrays(tmp_path):
 def test_target_without_the_expected_layers_is_refused():
     target = make_target("llama")
     with pytest.raises(ValueError, match="target_layer_ids"):
-        new_draft(target, build_draft_config(target, num_layers=2, target_layer_ids=[0, TARGET_LAYERS], mask_token_id=MASK_ID))
+        new_draft(
+            target, build_draft_config(target, num_layers=2, target_layer_ids=[0, TARGET_LAYERS], mask_token_id=MASK_ID)
+        )
     with pytest.raises(ValueError, match="model.layers"):
         build_draft_config(torch.nn.Linear(2, 2), mask_token_id=MASK_ID)
 
@@ -590,7 +741,9 @@ def test_shipped_root_draft_fits_smollm2_and_is_lossless():
     check_draft_fits_target(draft, target)
     assert any(float(p.detach().abs().sum()) > 0 for p in draft.parameters())
     for prompt in ["What is 12 times 7?", "Write a Python function that reverses a string."]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         expected = greedy_reference(target, ids, 24)
         stats = draft.spec_generate(target, ids, max_new_tokens=24, return_stats=True)
@@ -607,7 +760,11 @@ def test_dense_anchors_take_one_block_per_block_size_response_tokens():
     loss_starts, lengths = torch.tensor([6, 3, 10]), torch.tensor([40, 12, 11])
     anchors, valid = sample_anchors(loss_starts, lengths, 0, g, block_size=4)
     assert valid.sum(1).tolist() == [9, 2, 0]  # ceil(33 / 4), ceil(8 / 4), no candidate
-    assert sample_anchors(loss_starts, lengths, 0, g, block_size=4, stride=2)[1].sum(1).tolist() == [17, 4, 0]  # ceil(33 / 2), ceil(8 / 2)
+    assert sample_anchors(loss_starts, lengths, 0, g, block_size=4, stride=2)[1].sum(1).tolist() == [
+        17,
+        4,
+        0,
+    ]  # ceil(33 / 2), ceil(8 / 2)
     for row, (lo, length) in enumerate(zip(loss_starts.tolist(), lengths.tolist())):
         picked = anchors[row][valid[row]].tolist()
         assert picked == sorted(set(picked)) and all(lo <= a <= length - 2 for a in picked)
@@ -622,12 +779,18 @@ def draft_block_hidden(draft, target, ids: torch.Tensor, anchors: torch.Tensor) 
 
     block, length = draft.config.block_size, ids.shape[1]
     features, _ = target_pass(target, ids, torch.tensor([length]), draft.config.target_layer_ids)
-    tokens, _, _ = block_inputs(ids, anchors, torch.ones_like(anchors, dtype=torch.bool), torch.tensor([length]), block, MASK_ID)
+    tokens, _, _ = block_inputs(
+        ids, anchors, torch.ones_like(anchors, dtype=torch.bool), torch.tensor([length]), block, MASK_ID
+    )
     positions = torch.cat([torch.arange(length)[None], (anchors[..., None] + torch.arange(block)).flatten(1)], dim=1)
     mask = additive_mask(anchor_attention_mask(anchors, length, block), torch.float32)
     with torch.no_grad():
-        hidden = draft(noise_embeds=target.get_input_embeddings()(tokens.flatten(1)), context_hidden_states=features,
-                       position_ids=positions, attention_mask=mask).last_hidden_state
+        hidden = draft(
+            noise_embeds=target.get_input_embeddings()(tokens.flatten(1)),
+            context_hidden_states=features,
+            position_ids=positions,
+            attention_mask=mask,
+        ).last_hidden_state
     return hidden.view(anchors.shape[1], block, -1)
 
 
@@ -656,14 +819,21 @@ def test_training_labels_and_proposals_match_the_decode_path(tmp_path, draft_voc
     """The label offset, the shared head (with a draft vocabulary) and the embedding as decoding uses them (PR #473):
     `block_loss`'s first-token accuracy and teacher-forced tau equal those of `draft_step` block by block."""
     from cache_dflash import DynamicCache
-    from generation_dflash import draft_embedding, DraftHead, draft_step
+    from generation_dflash import DraftHead, draft_embedding, draft_step
     from training.features import build_feature_cache
     from training.trainer import target_greedy, target_pass
 
     target = make_target("llama", initializer_range=0.2)
     draft = tiny_draft(target)
     seqs = random_sequences(2, length=30)
-    train(draft, target, seqs, tmp_path / "fit", quick_config(max_steps=30, num_anchors=0, learning_rate=1e-2), progress=False)
+    train(
+        draft,
+        target,
+        seqs,
+        tmp_path / "fit",
+        quick_config(max_steps=30, num_anchors=0, learning_rate=1e-2),
+        progress=False,
+    )
     if draft_vocab:
         draft.config.draft_vocab = list(range(0, VOCAB, 2))
     batch = collate(seqs, pad_id=0)
@@ -673,9 +843,20 @@ def test_training_labels_and_proposals_match_the_decode_path(tmp_path, draft_voc
         found = cache.batch([0, 1], pad_id=0)
         batch, kwargs = found.batch, {"target_out": found.target_out, "greedy": found.greedy}
     vocab = None if not draft_vocab else torch.tensor(draft.config.draft_vocab)
-    _, metrics = block_loss(draft, target, batch, num_anchors=0, generator=torch.Generator().manual_seed(3),
-                            weights=loss_weights(4, 4.0), distill_weight=0.0, vocab=vocab, **kwargs)
-    anchors, valid = sample_anchors(batch["loss_starts"], batch["lengths"], 0, torch.Generator().manual_seed(3), block_size=4)
+    _, metrics = block_loss(
+        draft,
+        target,
+        batch,
+        num_anchors=0,
+        generator=torch.Generator().manual_seed(3),
+        weights=loss_weights(4, 4.0),
+        distill_weight=0.0,
+        vocab=vocab,
+        **kwargs,
+    )
+    anchors, valid = sample_anchors(
+        batch["loss_starts"], batch["lengths"], 0, torch.Generator().manual_seed(3), block_size=4
+    )
     embed, head = draft_embedding(draft, target), DraftHead(draft, target.get_output_embeddings())
     firsts, taus = [], []
     for row, s in enumerate(seqs):
@@ -700,9 +881,15 @@ def test_feature_cache_holds_the_target_pass_and_resumes_after_interruption(tmp_
     from training.trainer import target_greedy, target_pass
 
     target = make_target("llama")
-    seqs = [Sequence(f"s{i}", torch.randint(4, VOCAB - 1, (12 + 5 * i,), generator=torch.Generator().manual_seed(i)).tolist(), 4)
-            for i in range(6)]
-    straight = features.build_feature_cache(target, seqs, tmp_path / "straight", [0, 2], shard_tokens=40, progress=False)
+    seqs = [
+        Sequence(
+            f"s{i}", torch.randint(4, VOCAB - 1, (12 + 5 * i,), generator=torch.Generator().manual_seed(i)).tolist(), 4
+        )
+        for i in range(6)
+    ]
+    straight = features.build_feature_cache(
+        target, seqs, tmp_path / "straight", [0, 2], shard_tokens=40, progress=False
+    )
     assert len(straight.manifest["shards"]) > 2
     for i, s in enumerate(seqs):
         ids = torch.tensor([s.input_ids])
@@ -712,7 +899,9 @@ def test_feature_cache_holds_the_target_pass_and_resumes_after_interruption(tmp_
         torch.testing.assert_close(got["features"], feats[0].to(torch.bfloat16), atol=0, rtol=0)
         torch.testing.assert_close(got["final_hidden"], final[0].to(torch.bfloat16), atol=0, rtol=0)
         assert got["greedy"][: s.loss_start - 1].eq(-1).all()
-        assert got["greedy"][s.loss_start - 1 :].tolist() == target_greedy(target, final)[0, s.loss_start - 1 :].tolist()
+        assert (
+            got["greedy"][s.loss_start - 1 :].tolist() == target_greedy(target, final)[0, s.loss_start - 1 :].tolist()
+        )
 
     calls = []
     real = features.shard_tensors
@@ -732,7 +921,9 @@ def test_feature_cache_holds_the_target_pass_and_resumes_after_interruption(tmp_
     built = []
     monkeypatch.setattr(features, "shard_tensors", lambda *a, **k: built.append(1) or real(*a, **k))
     resumed = features.open_feature_cache(target, seqs, tmp_path / "resumed", [0, 2], shard_tokens=25, progress=False)
-    assert len(built) == len(straight.manifest["shards"]) - 2  # only the missing shards ran, sized as the manifest records
+    assert (
+        len(built) == len(straight.manifest["shards"]) - 2
+    )  # only the missing shards ran, sized as the manifest records
     assert resumed.manifest["shard_tokens"] == 40 and resumed.manifest["shards"] == straight.manifest["shards"]
     assert not list((tmp_path / "resumed").glob(".*"))  # no temporary file left behind
     for i in range(len(seqs)):
@@ -746,7 +937,9 @@ def test_feature_cache_refuses_shards_that_do_not_tile_the_sequences(tmp_path):
     import training.features as features
 
     seqs = random_sequences(6)
-    cache = features.build_feature_cache(make_target("llama"), seqs, tmp_path / "c", [0, 2], shard_tokens=40, progress=False)
+    cache = features.build_feature_cache(
+        make_target("llama"), seqs, tmp_path / "c", [0, 2], shard_tokens=40, progress=False
+    )
     shards = cache.manifest["shards"]
     assert len(shards) >= 3
     for broken in (shards[:1] + shards[2:], shards[:-1], [{**shards[0], "end": shards[0]["end"] + 1}] + shards[1:]):
@@ -761,7 +954,9 @@ def test_two_feature_cache_builders_at_once_build_one_valid_cache(tmp_path, monk
     import training.features as features
 
     target, seqs = make_target("llama"), random_sequences(6)
-    straight = features.build_feature_cache(target, seqs, tmp_path / "straight", [0, 2], shard_tokens=40, progress=False)
+    straight = features.build_feature_cache(
+        target, seqs, tmp_path / "straight", [0, 2], shard_tokens=40, progress=False
+    )
     real, calls, first_running, release = features.shard_tensors, [], threading.Event(), threading.Event()
 
     def held(*args, **kwargs):
@@ -775,7 +970,9 @@ def test_two_feature_cache_builders_at_once_build_one_valid_cache(tmp_path, monk
     results = {}
 
     def build(name):
-        results[name] = features.build_feature_cache(target, seqs, tmp_path / "c", [0, 2], shard_tokens=40, progress=False)
+        results[name] = features.build_feature_cache(
+            target, seqs, tmp_path / "c", [0, 2], shard_tokens=40, progress=False
+        )
 
     first = threading.Thread(target=build, args=("first",), name="first")
     second = threading.Thread(target=build, args=("second",), name="second")
@@ -834,12 +1031,26 @@ def test_training_from_the_feature_cache_runs_no_target_forward(tmp_path, monkey
     found = cache.batch([0, 1], pad_id=0)
 
     def loss(draft, **kwargs):
-        return float(block_loss(draft, target, kwargs.pop("batch", batch), num_anchors=0, generator=torch.Generator().manual_seed(0),
-                                weights=weights, distill_weight=0.5, **kwargs)[0].detach())
+        return float(
+            block_loss(
+                draft,
+                target,
+                kwargs.pop("batch", batch),
+                num_anchors=0,
+                generator=torch.Generator().manual_seed(0),
+                weights=weights,
+                distill_weight=0.5,
+                **kwargs,
+            )[0].detach()
+        )
 
     before = loss(tiny_draft(target))  # the same loss from bf16-rounded features, to bf16's precision
-    assert loss(tiny_draft(target), batch=found.batch, target_out=found.target_out, greedy=found.greedy) == pytest.approx(before, rel=1e-3)
-    online_summary = train(tiny_draft(target), target, data, tmp_path / "online", quick_config(max_steps=3, num_anchors=0), progress=False)
+    assert loss(
+        tiny_draft(target), batch=found.batch, target_out=found.target_out, greedy=found.greedy
+    ) == pytest.approx(before, rel=1e-3)
+    online_summary = train(
+        tiny_draft(target), target, data, tmp_path / "online", quick_config(max_steps=3, num_anchors=0), progress=False
+    )
 
     def no_forward(*args, **kwargs):
         raise AssertionError("the target ran a forward while training from its feature cache")
@@ -847,8 +1058,15 @@ def test_training_from_the_feature_cache_runs_no_target_forward(tmp_path, monkey
     monkeypatch.setattr(trainer, "target_pass", no_forward)
     monkeypatch.setattr(trainer, "target_greedy", no_forward)
     from_cache = tiny_draft(target)
-    summary = train(from_cache, target, data, tmp_path / "cached", quick_config(max_steps=3, num_anchors=0), progress=False,
-                    feature_cache=cache)
+    summary = train(
+        from_cache,
+        target,
+        data,
+        tmp_path / "cached",
+        quick_config(max_steps=3, num_anchors=0),
+        progress=False,
+        feature_cache=cache,
+    )
     assert summary["step"] == 3 and summary["throughput"]["blocks_per_s"] > 0
     monkeypatch.undo()
     assert loss(from_cache) < before
@@ -861,14 +1079,35 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_follows_the_fp32_loss(tmp_p
     runs = {}
     for precision in ("no", "bf16"):
         draft = tiny_draft(target)
-        train(draft, target, data, tmp_path / precision, quick_config(max_steps=4, mixed_precision=precision, save_every=4), progress=False)
+        train(
+            draft,
+            target,
+            data,
+            tmp_path / precision,
+            quick_config(max_steps=4, mixed_precision=precision, save_every=4),
+            progress=False,
+        )
         state = torch.load(tmp_path / precision / "checkpoint.pt", weights_only=False)
         assert all(p.dtype == torch.float32 for p in draft.parameters())
-        assert all(v.dtype == torch.float32 for s in state["optimizer"]["state"].values() for v in s.values() if v.dim())
+        assert all(
+            v.dtype == torch.float32 for s in state["optimizer"]["state"].values() for v in s.values() if v.dim()
+        )
         runs[precision] = draft
     batch = collate(data[:4], pad_id=0)
-    losses = {k: float(block_loss(d, target, batch, num_anchors=8, generator=torch.Generator().manual_seed(0),
-                                  weights=loss_weights(4, 4.0), distill_weight=0.5)[0].detach()) for k, d in runs.items()}
+    losses = {
+        k: float(
+            block_loss(
+                d,
+                target,
+                batch,
+                num_anchors=8,
+                generator=torch.Generator().manual_seed(0),
+                weights=loss_weights(4, 4.0),
+                distill_weight=0.5,
+            )[0].detach()
+        )
+        for k, d in runs.items()
+    }
     assert losses["bf16"] == pytest.approx(losses["no"], rel=0.02)
     with pytest.raises(ValueError, match="mixed_precision"):
         train(tiny_draft(target), target, data, tmp_path / "x", quick_config(mixed_precision="fp8"), progress=False)

@@ -1,13 +1,11 @@
-"""Draft trees (`tree_dflash.py`): the builder, the mask, cache compaction, and exact decoding through `spec_generate`."""
+"""Draft trees (`tree_dflash.py`): the builder, the mask, cache compaction, and exact decoding through
+`spec_generate`."""
 
 import itertools
 import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper
-
-import generation_dflash
 from conftest import (
     VOCAB,
     OracleDraft,
@@ -21,6 +19,9 @@ from conftest import (
     sample_two_tokens,
     watched_target,
 )
+from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper
+
+import generation_dflash
 from cache_dflash import cache_kwarg, compact_cache
 from tree_dflash import DraftTree, build_tree, prompt_lookup, propose
 
@@ -43,7 +44,8 @@ def all_prefix_scores(log_probs: torch.Tensor) -> dict[tuple[int, ...], float]:
     depth, vocab = log_probs.shape
     return {
         path: sum(float(log_probs[d, t]) for d, t in enumerate(path))
-        for n in range(1, depth + 1) for path in itertools.product(range(vocab), repeat=n)
+        for n in range(1, depth + 1)
+        for path in itertools.product(range(vocab), repeat=n)
     }
 
 
@@ -90,14 +92,17 @@ def test_mask_and_positions_of_a_hand_built_tree():
     #    |
     #    5(e)
     tree = DraftTree(tokens=[10, 11, 12, 13, 14], parents=[0, 0, 1, 2, 3], depths=[1, 1, 2, 2, 3])
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0],
-        [1, 0, 1, 0, 1, 0],
-        [1, 1, 0, 1, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0],
+            [1, 0, 1, 0, 1, 0],
+            [1, 1, 0, 1, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(tree.ancestors(), expected)
     mask = tree.attention_mask(cache_len=3, dtype=torch.float32, device="cpu")
     assert mask.shape == (1, 1, 6, 9)
@@ -116,8 +121,13 @@ def test_compacted_cache_equals_the_cache_of_the_committed_tokens():
     tree = DraftTree(tokens=[10, 11, 12, 13, 14], parents=[0, 0, 1, 2, 3], depths=[1, 1, 2, 2, 3])
     cache, reference = DynamicCache(), DynamicCache()
     cached_pass(target, cache, input_ids=prompt[:, :-1])
-    cached_pass(target, cache, input_ids=torch.tensor([[8, *tree.tokens]]), position_ids=tree.position_ids(3, "cpu"),
-                attention_mask=tree.attention_mask(3, torch.float32, "cpu"))
+    cached_pass(
+        target,
+        cache,
+        input_ids=torch.tensor([[8, *tree.tokens]]),
+        position_ids=tree.position_ids(3, "cpu"),
+        attention_mask=tree.attention_mask(3, torch.float32, "cpu"),
+    )
     compact_cache(cache, 3, [0, 2, 4])  # root, b, d
     cached_pass(target, reference, input_ids=torch.tensor([[5, 6, 7, 8, 11, 13]]))
     assert cache.get_seq_length() == reference.get_seq_length() == 6
@@ -148,7 +158,9 @@ def test_tree_greedy_equals_target_greedy(arch, block_size, budget):
     for prompt_len in (1, 9):
         ids = torch.randint(3, VOCAB - 1, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
         max_new = 2 * block_size + 3
-        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size, tree_budget=budget)
+        out = draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size, tree_budget=budget
+        )
         assert torch.equal(out, greedy_reference(target, ids, max_new)), f"{arch} B={block_size} budget={budget}"
 
 
@@ -165,15 +177,27 @@ def test_tree_accepts_the_second_choice_where_the_chain_cannot(block_size, budge
     for k in range(block_size - 1):
         paths.clear(), caches.clear()
         draft = SecondChoiceDraft(make_draft_config()).eval().setup(target, reference, k)
-        chain = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size, return_stats=True)
-        tree = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size,
-                                   tree_budget=budget, return_stats=True)
-        assert torch.equal(chain.output_ids, reference[:, : 6 + max_new]) and torch.equal(tree.output_ids, chain.output_ids)
+        chain = draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size, return_stats=True
+        )
+        tree = draft.spec_generate(
+            target=target,
+            input_ids=ids,
+            max_new_tokens=max_new,
+            block_size=block_size,
+            tree_budget=budget,
+            return_stats=True,
+        )
+        assert torch.equal(chain.output_ids, reference[:, : 6 + max_new]) and torch.equal(
+            tree.output_ids, chain.output_ids
+        )
         assert set(chain.acceptance_lengths[:-1]) == {k + 1}, f"k={k}"
         expected = k + 2 if budget >= block_size else min(k, budget) + 1
         assert set(tree.acceptance_lengths[:-1]) == {expected}, f"k={k} budget={budget}"
-        tree_paths = paths[len(chain.acceptance_lengths):]
-        assert any(p != list(range(len(p))) for p in tree_paths) == (budget >= block_size), "the second choice was taken"
+        tree_paths = paths[len(chain.acceptance_lengths) :]
+        assert any(p != list(range(len(p))) for p in tree_paths) == (budget >= block_size), (
+            "the second choice was taken"
+        )
         last_cache = caches[-1]
         # the cache holds every committed token but the last round's bonus
         assert last_cache[0][0].shape[-2] == 6 + sum(tree.acceptance_lengths)
@@ -198,8 +222,15 @@ def test_tree_sampling_matches_target_distribution(recorded_paths):
     counts = torch.zeros(VOCAB * VOCAB)
     paths, _ = recorded_paths
     for _ in range(n):
-        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=2, temperature=temperature,
-                                  block_size=4, tree_budget=8, generator=g)
+        out = draft.spec_generate(
+            target=target,
+            input_ids=ids,
+            max_new_tokens=2,
+            temperature=temperature,
+            block_size=4,
+            tree_budget=8,
+            generator=g,
+        )
         t1, t2 = out[0, 3:].tolist()
         counts[t1 * VOCAB + t2] += 1
     assert len(paths) == n, "one tree round per call"
@@ -212,7 +243,9 @@ def test_draft_config_sets_the_default_budget_and_zero_asks_for_the_chain():
     target, draft = make_target("llama"), make_draft()  # block size 8: a chain verifies 8 tokens, this tree 7
     ids = torch.tensor([[5, 6, 7]])
     expected, lengths = greedy_reference(target, ids, 12), []
-    target.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     draft.config.tree_budget = 6
     assert draft.config.dflash_config["tree_budget"] == 6
     for budget, verified in ((None, 7), (0, 8), (3, 4)):
@@ -221,7 +254,9 @@ def test_draft_config_sets_the_default_budget_and_zero_asks_for_the_chain():
         assert torch.equal(out, expected) and set(lengths[1:]) == {verified}, (budget, lengths)
     lengths.clear()  # the heuristic schedule adapts a chain, so the config's tree yields to it
     out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, block_size_schedule="heuristic")
-    assert torch.equal(out, expected) and lengths[1] == 8, lengths  # a chain of the whole block first, not a 7-node tree
+    assert torch.equal(out, expected) and lengths[1] == 8, (
+        lengths
+    )  # a chain of the whole block first, not a 7-node tree
     draft.config.tree_budget = None
     assert "tree_budget" not in draft.config.dflash_config
 
@@ -249,10 +284,14 @@ def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
     ids = torch.tensor([[5, 6, 7]])
     expected = greedy_reference(target, ids, 32)
     lengths = []
-    target.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     draft = OracleDraft(make_draft_config()).eval().setup(target, expected, 3)
     draft.config.tree_budget = 4
-    with pytest.warns(UserWarning, match="verifying the argmax chain instead of the draft config's tree of 4: .*sliding-window"):
+    with pytest.warns(
+        UserWarning, match="verifying the argmax chain instead of the draft config's tree of 4: .*sliding-window"
+    ):
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32)
     assert torch.equal(out, expected) and set(lengths[1:]) == {8}, lengths  # chains of the whole block
     with pytest.raises(ValueError, match="sliding-window mask"):
@@ -262,7 +301,10 @@ def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
     with pytest.warns(UserWarning, match="takes a custom 4D mask"):
         assert generation_dflash.default_tree_budget(draft, fa2, "constant") is None
     assert generation_dflash.default_tree_budget(draft, make_target("llama"), "constant") == 4
-    draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = None, 3  # a config's lookup branch steps aside too
+    draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = (
+        None,
+        3,
+    )  # a config's lookup branch steps aside too
     lengths.clear()
     with pytest.warns(UserWarning, match="instead of the draft config's prompt_lookup_num_tokens=3: .*sliding-window"):
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32)
@@ -292,7 +334,11 @@ def test_prompt_lookup_follows_transformers_rule():
 def test_a_branch_reuses_the_shared_prefix_and_keeps_parents_first():
     tree = DraftTree([5, 6, 9, 7], [0, 1, 0, 2], [1, 2, 1, 3])  # 5 -> 6 -> 7 and 9
     merged = tree.with_branch([5, 6, 8, 4])
-    assert merged.tokens == [5, 6, 9, 7, 8, 4] and merged.parents == [0, 1, 0, 2, 2, 5] and merged.depths == [1, 2, 1, 3, 3, 4]
+    assert (
+        merged.tokens == [5, 6, 9, 7, 8, 4]
+        and merged.parents == [0, 1, 0, 2, 2, 5]
+        and merged.depths == [1, 2, 1, 3, 3, 4]
+    )
     assert tree.tokens == [5, 6, 9, 7]  # the draft's tree is left as it was
     assert merged.accept([5, 6, 8, 0, 0, 4, 1]) == [0, 1, 2, 5, 6]  # the walk goes down the lookup branch
     assert tree.with_branch([5, 6]) == tree and tree.with_branch([]) == tree
@@ -318,8 +364,14 @@ def test_lookup_branches_keep_greedy_exact_at_every_partial_acceptance(budget, l
         for k in range(0, 7, 2):
             paths.clear()
             draft = OracleDraft(make_draft_config()).eval().setup(target, reference, k)
-            out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, tree_budget=budget,
-                                      prompt_lookup_num_tokens=lookup, return_stats=True)
+            out = draft.spec_generate(
+                target=target,
+                input_ids=ids,
+                max_new_tokens=max_new,
+                tree_budget=budget,
+                prompt_lookup_num_tokens=lookup,
+                return_stats=True,
+            )
             assert torch.equal(out.output_ids, reference[:, : 6 + max_new]), f"seed={seed} k={k}"
             if k == 0:
                 taken += lookup_nodes_taken(paths, budget or 7)
@@ -328,7 +380,8 @@ def test_lookup_branches_keep_greedy_exact_at_every_partial_acceptance(budget, l
 
 
 def planted_prompt(target) -> torch.Tensor:
-    """A prompt `[z, c1, c2, y.., z]` whose greedy continuation is `c1, c2`: after sampling `c1`, lookup proposes `c2`."""
+    """A prompt `[z, c1, c2, y.., z]` whose greedy continuation is `c1, c2`: after sampling `c1`, lookup proposes
+    `c2`."""
     for seed in range(100):
         body = torch.randint(3, VOCAB - 1, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         planted = [0, 0]
@@ -348,9 +401,13 @@ def test_lookup_branch_sampling_matches_target_distribution(recorded_paths):
     ids = planted_prompt(target)
     temperature, n = 1.0, 2000
     exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
-    draft = OracleDraft(make_draft_config()).eval().setup(target, torch.zeros(1, 64, dtype=torch.long), -1)  # never right
+    draft = (
+        OracleDraft(make_draft_config()).eval().setup(target, torch.zeros(1, 64, dtype=torch.long), -1)
+    )  # never right
     paths, _ = recorded_paths
-    counts, _ = sample_two_tokens(draft, target, ids, n, temperature, new_tokens=2, prompt_lookup_num_tokens=4, tree_budget=2)
+    counts, _ = sample_two_tokens(
+        draft, target, ids, n, temperature, new_tokens=2, prompt_lookup_num_tokens=4, tree_budget=2
+    )
     taken = lookup_nodes_taken(paths, 2)
     assert taken > n // 20, f"the lookup branch was accepted in {taken} of {n} runs"
     p_value, chi2, dof = chi_square_p_value(counts, exact)
@@ -361,7 +418,9 @@ def test_draft_config_sets_the_default_lookup_and_bad_settings_are_refused():
     target, draft = make_target("llama"), make_draft()
     ids = torch.tensor([[5, 6, 7, 5, 6]])
     sizes = []
-    target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     draft.config.prompt_lookup_num_tokens = 3
     assert draft.config.to_dict()["dflash_config"]["prompt_lookup_num_tokens"] == 3
     out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, tree_budget=0)
@@ -374,9 +433,13 @@ def test_draft_config_sets_the_default_lookup_and_bad_settings_are_refused():
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
             draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=bad)
     with pytest.raises(ValueError, match="max_matching_ngram_size"):
-        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, max_matching_ngram_size=0)
+        draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, max_matching_ngram_size=0
+        )
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens=2.*'constant'"):
-        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, block_size_schedule="heuristic")
+        draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=4, prompt_lookup_num_tokens=2, block_size_schedule="heuristic"
+        )
 
 
 @pytest.mark.parametrize("min_prob", [0.0, 0.05, 0.3, 1.0])
@@ -386,7 +449,10 @@ def test_builder_leaves_out_nodes_below_the_min_prob(min_prob):
     scores = all_prefix_scores(log_probs)
     kept = [node for node in range(1, 31) if scores[path_tokens(full, node)] >= math.log(min_prob or 1e-30)]
     cut = build_tree(log_probs, 30, min_log_prob=math.log(min_prob) if min_prob else -math.inf)
-    assert len(cut.tokens) == len(kept) and (cut.tokens, cut.parents) == (full.tokens[: len(kept)], full.parents[: len(kept)])
+    assert len(cut.tokens) == len(kept) and (cut.tokens, cut.parents) == (
+        full.tokens[: len(kept)],
+        full.parents[: len(kept)],
+    )
     assert len(kept) == {0.0: 30, 1.0: 0}.get(min_prob, len(kept)) and (0 < len(kept) < 30 or min_prob in (0.0, 1.0))
 
 
@@ -401,8 +467,15 @@ def test_a_min_prob_leaves_out_the_unlikely_second_choice_and_stays_exact(block_
     for k in range(block_size - 1):
         draft = SecondChoiceDraft(make_draft_config()).eval().setup(target, reference, k)
         for min_prob, expected in ((0.001, k + 2), (0.01, k + 1)):
-            out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=max_new, block_size=block_size,
-                                      tree_budget=2 * block_size, tree_min_prob=min_prob, return_stats=True)
+            out = draft.spec_generate(
+                target=target,
+                input_ids=ids,
+                max_new_tokens=max_new,
+                block_size=block_size,
+                tree_budget=2 * block_size,
+                tree_min_prob=min_prob,
+                return_stats=True,
+            )
             assert torch.equal(out.output_ids, reference[:, : 6 + max_new]), f"k={k} min_prob={min_prob}"
             assert set(out.acceptance_lengths[:-1]) == {expected}, f"k={k} min_prob={min_prob}"
 
@@ -413,11 +486,19 @@ def test_an_unsure_draft_verifies_fewer_tokens_and_output_stays_exact(lookup):
     branch), and output still equals plain greedy."""
     target, draft = make_target("llama"), make_draft()
     sizes = []
-    target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     for seed in range(3):
         ids = torch.randint(3, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(seed))
-        out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=20, tree_budget=6, tree_min_prob=0.9,
-                                  prompt_lookup_num_tokens=lookup)
+        out = draft.spec_generate(
+            target=target,
+            input_ids=ids,
+            max_new_tokens=20,
+            tree_budget=6,
+            tree_min_prob=0.9,
+            prompt_lookup_num_tokens=lookup,
+        )
         assert torch.equal(out, greedy_reference(target, ids, 20)), f"seed={seed}"
     assert sizes.count(1) > len(sizes) // 2, f"verify lengths {sizes}"
 
@@ -430,7 +511,9 @@ def test_confidence_sized_tree_sampling_matches_target_distribution(recorded_pat
     exact = exact_two_token_distribution(target, ids, LogitsProcessorList([TemperatureLogitsWarper(temperature)]))
     draft = make_draft(initializer_range=0.5)
     sizes = []
-    target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     counts, _ = sample_two_tokens(draft, target, ids, n, temperature, new_tokens=2, tree_budget=6, tree_min_prob=0.05)
     assert len(set(sizes[1::2])) > 1, f"tree sizes must vary with the draft's confidence: {set(sizes[1::2])}"
     p_value, chi2, dof = chi_square_p_value(counts, exact)
@@ -444,8 +527,9 @@ def test_bad_min_probs_are_refused_before_compute():
         with pytest.raises(ValueError, match="tree_min_prob"):
             draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=4, tree_min_prob=bad)
     with pytest.raises(ValueError, match="verifies the chain"):
-        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, tree_min_prob=0.2,
-                            prompt_lookup_num_tokens=0)
+        draft.spec_generate(
+            target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, tree_min_prob=0.2, prompt_lookup_num_tokens=0
+        )
 
 
 def test_a_target_scaling_attention_by_cache_slot_is_refused_for_trees_and_batches():
@@ -463,5 +547,7 @@ def test_a_target_scaling_attention_by_cache_slot_is_refused_for_trees_and_batch
     with pytest.raises(ValueError, match="batch verification .* scales attention by the slot"):
         draft.spec_generate(target=target, input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4)
     assert not calls, "the target ran before the error"
-    chain = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, prompt_lookup_num_tokens=0)
+    chain = draft.spec_generate(
+        target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, prompt_lookup_num_tokens=0
+    )
     assert torch.equal(chain, greedy_reference(target, ids, 4))

@@ -17,7 +17,8 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
 def dpace_weights(accept_prob: torch.Tensor, trained: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     """D-PACE position weights (arXiv 2605.18810) over the last axis of `[..., B-1]` block positions.
 
-    With `s_k = (1 - alpha) * q_k + alpha` (q: the draft's probability of the label), `w_k = sum_{j >= k} prod_{i <= j} s_i`:
+    With `s_k = (1 - alpha) * q_k + alpha` (q: the draft's probability of the label),
+    `w_k = sum_{j >= k} prod_{i <= j} s_i`:
     the gradient share of position `k` in the surrogate of expected accepted length. Untrained positions are no-ops in
     the products and add nothing to the sums. Detached: the weights steer the cross-entropy, they are not trained.
     """
@@ -34,8 +35,12 @@ def default_gamma(block_size: int) -> float:
 
 
 def sample_anchors(
-    loss_starts: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator,
-    block_size: int | None = None, stride: int | None = None,
+    loss_starts: torch.Tensor,
+    lengths: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator,
+    block_size: int | None = None,
+    stride: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct sorted anchors in `[loss_start, length - 2]` per row: `(anchors [b, m], valid [b, m])`.
 
@@ -87,7 +92,11 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def block_inputs(
-    input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, block_size: int,
+    input_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
     mask_token_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block tokens `[b, m, B]`, their labels `[b, m, B-1]` and a label mask `[b, m, B-1]`.

@@ -93,7 +93,12 @@ def jsonl_example(record: dict, source: str, index: int) -> dict | None:
             response = messages.pop()["content"]
         return {"id": rid, "messages": messages, "response": response, "source": source} if messages else None
     if "turns" in record:
-        return {"id": rid, "messages": [{"role": "user", "content": record["turns"][0]}], "response": None, "source": source}
+        return {
+            "id": rid,
+            "messages": [{"role": "user", "content": record["turns"][0]}],
+            "response": None,
+            "source": source,
+        }
     if "prompt" in record:
         prompt = [{"role": "user", "content": record["prompt"]}]
         return {"id": rid, "messages": prompt, "response": record.get("response"), "source": source}
@@ -126,7 +131,12 @@ def load_bench(name: str, limit: int | None = None) -> list[dict]:
     if limit is not None and len(prompts) > limit:  # evenly spaced, so every category of a sorted set is represented
         prompts = [prompts[i * len(prompts) // limit] for i in range(limit)]
     return [
-        {"id": f"{name}/{p['id']}", "messages": [{"role": "user", "content": p["turns"][0]}], "response": None, "source": name}
+        {
+            "id": f"{name}/{p['id']}",
+            "messages": [{"role": "user", "content": p["turns"][0]}],
+            "response": None,
+            "source": name,
+        }
         for p in prompts
     ]
 
@@ -184,8 +194,17 @@ def read_response_cache(path: Path) -> dict[str, list[int]]:
 
 @torch.inference_mode()
 def regenerate_responses(
-    target, tokenizer, examples: list[dict], cache_path: Path, *, batch_size: int = 16, max_new_tokens: int = 256,
-    max_prompt_tokens: int = 256, progress: bool = True, rank: int = 0, world: int = 1,
+    target,
+    tokenizer,
+    examples: list[dict],
+    cache_path: Path,
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 256,
+    progress: bool = True,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict[str, list[int]]:
     """Greedy responses of the target for every example, batched and appended to `cache_path` as they finish.
     Examples already in the cache are not generated again, so an interrupted run resumes where it stopped.
@@ -206,10 +225,16 @@ def regenerate_responses(
             prompts = [encode_prompt(tokenizer, e["messages"], max_prompt_tokens) for e in batch]
             width = max(len(p) for p in prompts)
             input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=target.device)
-            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+            attention_mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device
+            )
             out = target.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=pad_id, eos_token_id=sorted(stop_ids),
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+                eos_token_id=sorted(stop_ids),
             )
             for example, row in zip(batch, out[:, width:].tolist()):
                 end = first_stop(row, stop_ids) or len(row)
@@ -222,11 +247,16 @@ def regenerate_responses(
 
 
 def tokenize_examples(
-    tokenizer, examples: list[dict], *, regenerated: dict[str, list[int]] | None = None, max_prompt_tokens: int = 256,
+    tokenizer,
+    examples: list[dict],
+    *,
+    regenerated: dict[str, list[int]] | None = None,
+    max_prompt_tokens: int = 256,
     max_length: int = 512,
 ) -> list[Sequence]:
     """`[prompt ; response]` token sequences, truncated to `max_length`; the response comes from `regenerated` when
-    given (target-written), else from the example's own text (teacher forcing). Examples without a response are skipped."""
+    given (target-written), else from the example's own text (teacher forcing). Examples without a response are
+    skipped."""
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     end_ids = [end_id] if isinstance(end_id, int) and end_id != tokenizer.unk_token_id else [tokenizer.eos_token_id]
     sequences = []
@@ -236,7 +266,7 @@ def tokenize_examples(
             response = regenerated[example["id"]]
         elif example["response"]:
             tail = end_ids if example["messages"] is not None else []
-            response = tokenizer.encode(example["response"], add_special_tokens=False)[: max_length] + tail
+            response = tokenizer.encode(example["response"], add_special_tokens=False)[:max_length] + tail
         else:
             continue
         ids = (prompt + response)[:max_length]

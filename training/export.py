@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 DECODE_SETTINGS = ("tree_budget", "prompt_lookup_num_tokens")
 
 
-def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftModel], float], *, force: bool = False) -> dict:
+def install_if_better(
+    draft_dir: Path, repo: Path, score: Callable[[DFlashDraftModel], float], *, force: bool = False
+) -> dict:
     """Installs the draft in `draft_dir` into `repo` unless the repo's own draft scores higher; returns both scores."""
     if not (repo / "modeling_dflash.py").exists():
         raise SystemExit(f"{repo} is not a DFlash model repo (no modeling_dflash.py); refusing to write there")
@@ -31,11 +33,15 @@ def install_if_better(draft_dir: Path, repo: Path, score: Callable[[DFlashDraftM
     if all((repo / name).exists() for name in DRAFT_FILES):
         shipped = DFlashDraftModel.from_pretrained(repo).eval()
         keep_decode_settings(new.config, shipped.config)
-        shipped.config.block_size = new.config.block_size  # same blocks for both: a shipped config may serve smaller ones
+        shipped.config.block_size = (
+            new.config.block_size
+        )  # same blocks for both: a shipped config may serve smaller ones
         scores["shipped"] = score(shipped)
         if scores["new"] < scores["shipped"] and not force:
-            raise SystemExit(f"{draft_dir} scores {scores['new']:.3f}, below the shipped draft's {scores['shipped']:.3f}; "
-                             "nothing was replaced (--force installs it anyway)")
+            raise SystemExit(
+                f"{draft_dir} scores {scores['new']:.3f}, below the shipped draft's {scores['shipped']:.3f}; "
+                "nothing was replaced (--force installs it anyway)"
+            )
     install_weights(draft_dir, repo, new.config)
     return scores
 
@@ -67,7 +73,14 @@ def held_out_score(args: argparse.Namespace) -> Callable[[DFlashDraftModel], flo
     def score(draft: DFlashDraftModel) -> float:
         target, sequences, pad_id = held_out()
         block = draft.config.block_size
-        result = evaluate(draft, target, sequences, num_anchors=args.num_anchors, weights=loss_weights(block, default_gamma(block)), pad_id=pad_id)
+        result = evaluate(
+            draft,
+            target,
+            sequences,
+            num_anchors=args.num_anchors,
+            weights=loss_weights(block, default_gamma(block)),
+            pad_id=pad_id,
+        )
         logger.info("%s: %s", draft.name_or_path, {k: round(v["tau"], 3) for k, v in result.items()})
         return sum(v["tau"] for v in result.values()) / len(result)
 
@@ -79,15 +92,21 @@ def main(argv=None) -> int:
     p.add_argument("--draft", required=True, type=Path, help="draft folder written by `python -m training`")
     p.add_argument("--repo", default=Path("."), type=Path, help="model repo root to install into (default: .)")
     p.add_argument("--force", action="store_true", help="install even if the repo's draft scores higher")
-    p.add_argument("--target", default="default", help="target the drafts are scored on ('default': SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--target", default="default", help="target the drafts are scored on ('default': SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--eval-data", default="mt-bench,humaneval,gsm", help="held-out sets (comma-separated)")
     p.add_argument("--eval-examples", type=int, default=8, help="held-out prompts per set")
     p.add_argument("--num-anchors", type=int, default=32, help="blocks per held-out sequence")
     p.add_argument("--max-prompt-tokens", type=int, default=128)
     p.add_argument("--max-length", type=int, default=384)
     p.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's held-out responses")
-    p.add_argument("--run-dir", type=Path, default=Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "runs" / "export",
-                   help="cache of the held-out responses (a training run dir reuses its own)")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "runs" / "export",
+        help="cache of the held-out responses (a training run dir reuses its own)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     args.run_dir.mkdir(parents=True, exist_ok=True)

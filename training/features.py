@@ -38,7 +38,8 @@ STORE_DTYPE = torch.bfloat16
 
 @dataclass
 class CachedBatch:
-    """A padded batch as `block_loss` takes it: token batch, target output `(features, final_hidden)` and greedy labels."""
+    """A padded batch as `block_loss` takes it: token batch, target output `(features, final_hidden)` and greedy
+    labels."""
 
     batch: dict[str, torch.Tensor]
     target_out: tuple[torch.Tensor, torch.Tensor]
@@ -64,17 +65,25 @@ def bytes_per_token(hidden_size: int, num_layers: int) -> int:
 
 
 def expected_manifest(target, sequences: list[Sequence], layer_ids: list[int], dtype: torch.dtype) -> dict:
-    return {"format": FORMAT, "target": target_hash(target), "target_layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."),
-            "data": data_hash(sequences), "num_sequences": len(sequences),
-            "hidden_size": target.config.get_text_config().hidden_size}
+    return {
+        "format": FORMAT,
+        "target": target_hash(target),
+        "target_layer_ids": list(layer_ids),
+        "dtype": str(dtype).removeprefix("torch."),
+        "data": data_hash(sequences),
+        "num_sequences": len(sequences),
+        "hidden_size": target.config.get_text_config().hidden_size,
+    }
 
 
 def check_manifest(found: dict, expected: dict, path: Path) -> None:
     """Refuses a cache made for another target, layer set, dtype or data, naming what differs."""
     changed = sorted(k for k in expected if found.get(k) != expected[k])
     if changed:
-        raise ValueError(f"feature cache {path} was built for another {', '.join(changed)} than this run; "
-                         "use another --feature-cache folder (or delete that one)")
+        raise ValueError(
+            f"feature cache {path} was built for another {', '.join(changed)} than this run; "
+            "use another --feature-cache folder (or delete that one)"
+        )
 
 
 def shard_ranges(sequences: list[Sequence], shard_tokens: int) -> list[tuple[int, int]]:
@@ -91,7 +100,9 @@ def shard_ranges(sequences: list[Sequence], shard_tokens: int) -> list[tuple[int
 
 
 @torch.no_grad()
-def shard_tensors(target, sequences: list[Sequence], layer_ids: list[int], batch_size: int, pad_id: int) -> dict[str, torch.Tensor]:
+def shard_tensors(
+    target, sequences: list[Sequence], layer_ids: list[int], batch_size: int, pad_id: int
+) -> dict[str, torch.Tensor]:
     """One shard: every sequence's features, final hidden states and greedy labels, concatenated in order.
 
     Batches group sequences of similar length (less padding); the target's head runs only from the response on.
@@ -108,7 +119,11 @@ def shard_tensors(target, sequences: list[Sequence], layer_ids: list[int], batch
             length, start = len(s.input_ids), max(s.loss_start - 1, 0)
             greedy = torch.full((length,), -1, dtype=torch.int32)
             greedy[start:] = target_greedy(target, final[row : row + 1, start:length]).view(-1).to("cpu", torch.int32)
-            rows[j] = (features[row, :length].to("cpu", STORE_DTYPE), final[row, :length].to("cpu", STORE_DTYPE), greedy)
+            rows[j] = (
+                features[row, :length].to("cpu", STORE_DTYPE),
+                final[row, :length].to("cpu", STORE_DTYPE),
+                greedy,
+            )
     lengths = torch.tensor([len(s.input_ids) for s in sequences])
     return {
         "features": torch.cat([rows[j][0] for j in range(len(sequences))]),
@@ -127,7 +142,9 @@ def build_lock(cache_dir: Path):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"the feature cache in {cache_dir} is being built by another process; waiting for it", file=sys.stderr)
+            print(
+                f"the feature cache in {cache_dir} is being built by another process; waiting for it", file=sys.stderr
+            )
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -147,8 +164,17 @@ def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise
 
 
-def build_feature_cache(target, sequences: list[Sequence], cache_dir: Path, layer_ids: list[int], *, pad_id: int = 0,
-                        batch_size: int = 8, shard_tokens: int = 1 << 18, progress: bool = True) -> "FeatureCache":
+def build_feature_cache(
+    target,
+    sequences: list[Sequence],
+    cache_dir: Path,
+    layer_ids: list[int],
+    *,
+    pad_id: int = 0,
+    batch_size: int = 8,
+    shard_tokens: int = 1 << 18,
+    progress: bool = True,
+) -> "FeatureCache":
     """Runs the target over `sequences` and writes the cache to `cache_dir`, resuming a partial build of the same run.
 
     Refuses a folder holding another run's cache, or a disk without room for what is still to be written.
@@ -164,7 +190,11 @@ def build_locked(target, sequences, cache_dir, layer_ids, pad_id, batch_size, sh
 
     expected = expected_manifest(target, sequences, layer_ids, target.dtype)
     manifest_path = cache_dir / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {**expected, "shards": [], "complete": False}
+    manifest = (
+        json.loads(manifest_path.read_text())
+        if manifest_path.exists()
+        else {**expected, "shards": [], "complete": False}
+    )
     check_manifest(manifest, expected, cache_dir)
     if manifest["complete"]:  # another builder finished it while this one waited
         return FeatureCache(cache_dir)
@@ -175,7 +205,9 @@ def build_locked(target, sequences, cache_dir, layer_ids, pad_id, batch_size, sh
     need = remaining * bytes_per_token(expected["hidden_size"], len(layer_ids))
     free = shutil.disk_usage(cache_dir).free
     if need > free:
-        raise ValueError(f"the feature cache needs about {need / 1e9:.1f} GB more in {cache_dir}, and {free / 1e9:.1f} GB is free")
+        raise ValueError(
+            f"the feature cache needs about {need / 1e9:.1f} GB more in {cache_dir}, and {free / 1e9:.1f} GB is free"
+        )
     bar = tqdm(total=remaining, desc=f"target features ({need / 1e9:.1f} GB)", unit="tok", disable=not progress)
     for a, b in todo:
         name = f"shard-{len(manifest['shards']):05d}.safetensors"
@@ -195,12 +227,16 @@ def check_coverage(shards: list[dict], rows: list[int], num_sequences: int, path
     end = 0
     for shard, n in zip(shards, rows):
         if shard["start"] != end or shard["end"] - shard["start"] != n:
-            raise ValueError(f"the feature cache in {path} is corrupt: {shard['file']} holds sequences "
-                             f"[{shard['start']}, {shard['end']}) ({n} rows) where sequence {end} comes next; delete it and rebuild")
+            raise ValueError(
+                f"the feature cache in {path} is corrupt: {shard['file']} holds sequences "
+                f"[{shard['start']}, {shard['end']}) ({n} rows) where sequence {end} comes next; delete it and rebuild"
+            )
         end = shard["end"]
     if end != num_sequences:
-        raise ValueError(f"the feature cache in {path} is corrupt: its shards end at sequence {end} of {num_sequences}; "
-                         "delete it and rebuild")
+        raise ValueError(
+            f"the feature cache in {path} is corrupt: its shards end at sequence {end} of {num_sequences}; "
+            "delete it and rebuild"
+        )
 
 
 class FeatureCache:
@@ -210,15 +246,21 @@ class FeatureCache:
         self.path = Path(cache_dir)
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
-            raise ValueError(f"{self.path} holds no feature cache (no {MANIFEST}); build it with python -m training.features")
+            raise ValueError(
+                f"{self.path} holds no feature cache (no {MANIFEST}); build it with python -m training.features"
+            )
         self.manifest = json.loads(manifest_path.read_text())
         if not self.manifest.get("complete"):
             raise ValueError(f"the feature cache in {self.path} is incomplete; re-run its build command to finish it")
         self.shards = [safe_open(self.path / s["file"], "pt") for s in self.manifest["shards"]]
         self.offsets = [f.get_tensor("offsets") for f in self.shards]
         self.loss_starts = [f.get_tensor("loss_starts") for f in self.shards]
-        check_coverage(self.manifest["shards"], [len(o) - 1 for o in self.offsets], self.manifest["num_sequences"], self.path)
-        self.where = [(k, i - s["start"]) for k, s in enumerate(self.manifest["shards"]) for i in range(s["start"], s["end"])]
+        check_coverage(
+            self.manifest["shards"], [len(o) - 1 for o in self.offsets], self.manifest["num_sequences"], self.path
+        )
+        self.where = [
+            (k, i - s["start"]) for k, s in enumerate(self.manifest["shards"]) for i in range(s["start"], s["end"])
+        ]
 
     def __len__(self) -> int:
         return len(self.where)
@@ -252,11 +294,16 @@ class FeatureCache:
 
     def manifest_summary(self) -> dict:
         tokens = sum(int(o[-1]) for o in self.offsets)
-        return {"tokens": tokens, "gigabytes": round(sum((self.path / s["file"]).stat().st_size for s in self.manifest["shards"]) / 1e9, 2),
-                **{k: self.manifest[k] for k in ("target_layer_ids", "dtype")}}
+        return {
+            "tokens": tokens,
+            "gigabytes": round(sum((self.path / s["file"]).stat().st_size for s in self.manifest["shards"]) / 1e9, 2),
+            **{k: self.manifest[k] for k in ("target_layer_ids", "dtype")},
+        }
 
 
-def open_feature_cache(target, sequences: list[Sequence], cache_dir: Path, layer_ids: list[int], **build) -> FeatureCache:
+def open_feature_cache(
+    target, sequences: list[Sequence], cache_dir: Path, layer_ids: list[int], **build
+) -> FeatureCache:
     """The complete cache in `cache_dir` if it matches this run, else built (or finished) there first."""
     manifest = Path(cache_dir) / MANIFEST
     if manifest.exists() and json.loads(manifest.read_text()).get("complete"):

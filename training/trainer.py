@@ -21,7 +21,15 @@ from configuration_dflash import DFlashConfig
 from generation_dflash import LayerFeatures, base_model, check_draft_fits_target, decoder_layers, draft_embedding
 from modeling_dflash import DFlashDraftModel
 
-from .anchors import additive_mask, anchor_attention_mask, block_inputs, default_gamma, dpace_weights, loss_weights, sample_anchors
+from .anchors import (
+    additive_mask,
+    anchor_attention_mask,
+    block_inputs,
+    default_gamma,
+    dpace_weights,
+    loss_weights,
+    sample_anchors,
+)
 from .data import Sequence
 
 logger = logging.getLogger(__name__)
@@ -40,19 +48,27 @@ class TrainConfig:
     learning_rate: float = 6e-4
     weight_decay: float = 0.01
     warmup_ratio: float = 0.04
-    schedule: str = "cosine"  # "cosine", or "wsd": warm up, hold, then decay linearly over the last `decay_ratio` of steps
+    schedule: str = (
+        "cosine"  # "cosine", or "wsd": warm up, hold, then decay linearly over the last `decay_ratio` of steps
+    )
     decay_ratio: float = 0.2
     epochs: int = 1
     max_steps: int | None = None
     grad_clip: float = 1.0
     gamma: float | None = None  # None: the paper's value for the block size
-    position_weights: str = "decay"  # "decay": exp(-(k-1)/gamma); "dpace": D-PACE weights from the draft's own confidence
+    position_weights: str = (
+        "decay"  # "decay": exp(-(k-1)/gamma); "dpace": D-PACE weights from the draft's own confidence
+    )
     dpace_alpha: float = 0.5  # D-PACE smoothing of each position's acceptance probability (the paper's default)
     distill_weight: float = 0.5  # 0: hard labels only; 1: soft labels only
-    updates_per_batch: int = 1  # optimizer steps per target pass, each with fresh anchors (the target pass dominates on CPU)
+    updates_per_batch: int = (
+        1  # optimizer steps per target pass, each with fresh anchors (the target pass dominates on CPU)
+    )
     train_vocab_size: int | None = None  # train over the most frequent response tokens only (FR-Spec); None: all
     label_source: str = "target"  # "target": the target's argmax; "data": the sequence's own next token
-    mixed_precision: str = "no"  # "bf16": the draft's forward and backward under bfloat16 autocast (fp32 master weights)
+    mixed_precision: str = (
+        "no"  # "bf16": the draft's forward and backward under bfloat16 autocast (fp32 master weights)
+    )
     bucket_by_length: bool = False  # batch sequences of similar length together (less padding)
     precondition_fc: bool = False  # train `fc` per input channel in units of that feature channel's RMS
     eval_every: int = 100
@@ -67,23 +83,37 @@ class TrainConfig:
 
 
 def build_draft_config(
-    target, *, num_layers: int = 3, target_layer_ids: list[int] | None = None, block_size: int = 8,
+    target,
+    *,
+    num_layers: int = 3,
+    target_layer_ids: list[int] | None = None,
+    block_size: int = 8,
     mask_token_id: int | None = None,
 ) -> DFlashConfig:
     """A draft config that copies the target's attention and MLP shapes, so its layers can warm-start from it."""
     num_target_layers = len(decoder_layers(target))
     t = target.config.get_text_config()
     config = DFlashConfig(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-        rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings,
         rope_parameters=draft_rope_parameters(t),
-        num_target_layers=num_target_layers, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
-        block_size=block_size, tie_word_embeddings=False,
+        num_target_layers=num_target_layers,
+        target_layer_ids=target_layer_ids,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        tie_word_embeddings=False,
     )
     if mask_token_id is None:
-        raise ValueError("a mask token id is required: pick a token the target never writes (e.g. an unused special token)")
+        raise ValueError(
+            "a mask token id is required: pick a token the target never writes (e.g. an unused special token)"
+        )
     return config
 
 
@@ -207,7 +237,9 @@ def target_greedy(target, final_hidden: torch.Tensor, chunk: int = 256) -> torch
     """`[b, L]` the target's argmax over its full vocabulary after each position (chunked: the head is wide)."""
     lm_head = target.get_output_embeddings()
     flat = final_hidden.flatten(0, 1)
-    return torch.cat([lm_head(flat[i : i + chunk]).argmax(-1) for i in range(0, len(flat), chunk)]).view(final_hidden.shape[:2])
+    return torch.cat([lm_head(flat[i : i + chunk]).argmax(-1) for i in range(0, len(flat), chunk)]).view(
+        final_hidden.shape[:2]
+    )
 
 
 def frequent_tokens(sequences: list[Sequence], size: int) -> torch.Tensor:
@@ -218,11 +250,22 @@ def frequent_tokens(sequences: list[Sequence], size: int) -> torch.Tensor:
     return counts.topk(min(size, len(counts))).indices.sort().values
 
 
-def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch.Generator, weights: torch.Tensor,
-               distill_weight: float, label_source: str = "target", vocab: torch.Tensor | None = None,
-               target_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               greedy: torch.Tensor | None = None, anchor_stride: int | None = None,
-               dpace_alpha: float | None = None) -> tuple[torch.Tensor, dict]:
+def block_loss(
+    draft,
+    target,
+    batch: dict,
+    *,
+    num_anchors: int,
+    generator: torch.Generator,
+    weights: torch.Tensor,
+    distill_weight: float,
+    label_source: str = "target",
+    vocab: torch.Tensor | None = None,
+    target_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    greedy: torch.Tensor | None = None,
+    anchor_stride: int | None = None,
+    dpace_alpha: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Weighted block loss over `num_anchors` random blocks per sequence (0: dense, about one per `block_size`
     response tokens, or per `anchor_stride`), all in one draft pass.
 
@@ -240,19 +283,29 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
     block, device = config.block_size, batch["input_ids"].device
     input_ids, lengths = batch["input_ids"], batch["lengths"]
     features, final_hidden = target_out or target_pass(target, input_ids, lengths, config.target_layer_ids)
-    anchors, valid = sample_anchors(batch["loss_starts"].cpu(), lengths.cpu(), num_anchors, generator, block, anchor_stride)
+    anchors, valid = sample_anchors(
+        batch["loss_starts"].cpu(), lengths.cpu(), num_anchors, generator, block, anchor_stride
+    )
     anchors, valid = anchors.to(device), valid.to(device)
     tokens, labels, in_sequence = block_inputs(input_ids, anchors, valid, lengths, block, config.mask_token_id)
     b, m = anchors.shape
     context_len = input_ids.shape[1]
-    positions = torch.cat([torch.arange(context_len, device=device).expand(b, -1), (anchors[..., None] + torch.arange(block, device=device)).flatten(1)], dim=1)
+    positions = torch.cat(
+        [
+            torch.arange(context_len, device=device).expand(b, -1),
+            (anchors[..., None] + torch.arange(block, device=device)).flatten(1),
+        ],
+        dim=1,
+    )
     mask = additive_mask(anchor_attention_mask(anchors, context_len, block), torch.float32)
     # the target's distribution for position a+k is its output at a+k-1
     source = (anchors[..., None] + torch.arange(block - 1, device=device)).clamp(max=context_len - 1).flatten(1)
     head_weight, head_bias, vocab = frozen_head(target, vocab, getattr(unwrapped, "dtype", torch.float32))
     with torch.no_grad():
         noise = draft_embedding(unwrapped, target)(tokens.flatten(1)).to(head_weight.dtype)
-        gathered = final_hidden.gather(1, source[..., None].expand(-1, -1, final_hidden.shape[-1])).to(head_weight.dtype)
+        gathered = final_hidden.gather(1, source[..., None].expand(-1, -1, final_hidden.shape[-1])).to(
+            head_weight.dtype
+        )
         teacher = torch.nn.functional.linear(gathered, head_weight, head_bias).float().view(b, m, block - 1, -1)
     if label_source == "target" and vocab is None and greedy is None:
         labels = teacher.argmax(-1)
@@ -260,7 +313,9 @@ def block_loss(draft, target, batch: dict, *, num_anchors: int, generator: torch
         greedy = greedy if greedy is not None else target_greedy(target, final_hidden)
         labels = greedy.gather(1, source).view(b, m, block - 1).masked_fill(~in_sequence, 0)
     hard, trained = (labels, in_sequence) if vocab is None else full_to_subset(labels, in_sequence, vocab)
-    hidden = draft(noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask).last_hidden_state
+    hidden = draft(
+        noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask
+    ).last_hidden_state
     logits = torch.nn.functional.linear(hidden.view(b, m, block, -1)[:, :, 1:], head_weight, head_bias).float()
     log_probs = logits.log_softmax(-1)
     hard_ce = -log_probs.gather(-1, hard[..., None])[..., 0]
@@ -381,13 +436,16 @@ def check_output_dir(path: Path, overwrite: bool = False) -> None:
     config = path / "config.json"
     is_draft = config.exists() and "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", [])
     if not is_draft:
-        raise FileExistsError(f"output folder {path} holds other files; refusing to overwrite it. Choose an empty or new folder")
+        raise FileExistsError(
+            f"output folder {path} holds other files; refusing to overwrite it. Choose an empty or new folder"
+        )
     if not overwrite:
         raise FileExistsError(f"output folder {path} already holds a DFlash draft; pass --overwrite to replace it")
 
 
 def save_draft(draft: DFlashDraftModel, output: Path, *, overwrite: bool = False) -> Path:
-    """`save_pretrained` into a temporary sibling, then swapped in: the old draft stays until the new one is complete."""
+    """`save_pretrained` into a temporary sibling, then swapped in: the old draft stays until the new one is
+    complete."""
     output = Path(output)
     check_output_dir(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -425,15 +483,24 @@ def install_weights(draft_dir: Path, repo_root: Path, config=None) -> None:
 BUCKET_BATCHES = 16  # batches per length-sorted window: similar lengths, still a random order
 
 
-def batch_order(num_sequences: int, batch_size: int, epoch: int, seed: int, rank: int = 0, world: int = 1,
-                lengths: list[int] | None = None) -> list[list[int]]:
+def batch_order(
+    num_sequences: int,
+    batch_size: int,
+    epoch: int,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
+    lengths: list[int] | None = None,
+) -> list[list[int]]:
     """This process's batches for `epoch`: a seeded shuffle, so a resumed run sees the same order. With `lengths`,
     each window of `BUCKET_BATCHES` batches is sorted by length before it is cut, and the batches are shuffled."""
     generator = torch.Generator().manual_seed(seed * 1000 + epoch)
     order = torch.randperm(num_sequences, generator=generator).tolist()
     if lengths is not None:
         window = batch_size * BUCKET_BATCHES
-        order = [i for w in range(0, num_sequences, window) for i in sorted(order[w : w + window], key=lengths.__getitem__)]
+        order = [
+            i for w in range(0, num_sequences, window) for i in sorted(order[w : w + window], key=lengths.__getitem__)
+        ]
     batches = [order[i : i + batch_size] for i in range(0, num_sequences, batch_size)]
     if lengths is not None:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
@@ -442,8 +509,17 @@ def batch_order(num_sequences: int, batch_size: int, epoch: int, seed: int, rank
 
 
 @torch.no_grad()
-def evaluate(draft, target, sequences: dict[str, list[Sequence]], *, num_anchors: int, weights: torch.Tensor,
-             pad_id: int, batch_size: int = 4, seed: int = 1234) -> dict[str, dict]:
+def evaluate(
+    draft,
+    target,
+    sequences: dict[str, list[Sequence]],
+    *,
+    num_anchors: int,
+    weights: torch.Tensor,
+    pad_id: int,
+    batch_size: int = 4,
+    seed: int = 1234,
+) -> dict[str, dict]:
     """Held-out loss and teacher-forced tau per set, with fixed anchors so numbers compare across steps."""
     draft.eval()
     results = {}
@@ -454,8 +530,16 @@ def evaluate(draft, target, sequences: dict[str, list[Sequence]], *, num_anchors
         losses, taus, blocks = [], [], 0
         for i in range(0, len(seqs), batch_size):
             batch = {k: v.to(target.device) for k, v in collate(seqs[i : i + batch_size], pad_id).items()}
-            loss, metrics = block_loss(draft, target, batch, num_anchors=num_anchors, generator=generator, weights=weights,
-                                       distill_weight=0.0, vocab=vocab)
+            loss, metrics = block_loss(
+                draft,
+                target,
+                batch,
+                num_anchors=num_anchors,
+                generator=generator,
+                weights=weights,
+                distill_weight=0.0,
+                vocab=vocab,
+            )
             losses.append(float(loss))
             if metrics["blocks"]:
                 taus.append(metrics["tau"] * metrics["blocks"])
@@ -466,9 +550,18 @@ def evaluate(draft, target, sequences: dict[str, list[Sequence]], *, num_anchors
 
 
 def train(
-    draft: DFlashDraftModel, target, train_sequences: list[Sequence], run_dir: Path, config: TrainConfig, *,
-    eval_sequences: dict[str, list[Sequence]] | None = None, pad_id: int = 0, accelerator=None, progress: bool = True,
-    allow_changed_settings: bool = False, feature_cache=None,
+    draft: DFlashDraftModel,
+    target,
+    train_sequences: list[Sequence],
+    run_dir: Path,
+    config: TrainConfig,
+    *,
+    eval_sequences: dict[str, list[Sequence]] | None = None,
+    pad_id: int = 0,
+    accelerator=None,
+    progress: bool = True,
+    allow_changed_settings: bool = False,
+    feature_cache=None,
 ) -> dict:
     """Trains `draft` in place against the frozen `target`, resuming from `run_dir/checkpoint.pt` if present.
 
@@ -486,8 +579,10 @@ def train(
     if not train_sequences:
         raise ValueError("the training dataset is empty: no sequence has a response with at least two tokens")
     if any(layer.self_attn.causal or layer.self_attn.sliding_window for layer in draft.layers):
-        raise ValueError("training supports drafts whose layers are all non-causal full attention: the one-pass block "
-                         "mask does not model causal or sliding-window layers")
+        raise ValueError(
+            "training supports drafts whose layers are all non-causal full attention: the one-pass block "
+            "mask does not model causal or sliding-window layers"
+        )
     if config.mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {config.mixed_precision!r}")
     if config.position_weights not in ("decay", "dpace"):
@@ -504,11 +599,15 @@ def train(
     fingerprint = settings_fingerprint(config, train_sequences)
     repeats = config.updates_per_batch
     lengths = [len(s.input_ids) for s in train_sequences] if config.bucket_by_length else None
-    steps_per_epoch = repeats * len(batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes))
+    steps_per_epoch = repeats * len(
+        batch_order(len(train_sequences), config.batch_size, 0, config.seed, 0, accelerator.num_processes)
+    )
     total_steps = config.max_steps or steps_per_epoch * config.epochs
     if config.precondition_fc:
         precondition_fc(draft, feature_scale(target, train_sequences[:8], draft.config.target_layer_ids, pad_id))
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        draft.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+    )
     factor = lr_lambda(total_steps, config.warmup_ratio, config.schedule, config.decay_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     step, history = 0, []
@@ -530,46 +629,95 @@ def train(
 
     def save() -> None:
         if accelerator.is_main_process:
-            state = {"draft": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                     "step": step, "history": history, "draft_config": model.config.to_dict(), "train_config": asdict(config),
-                     "fingerprint": fingerprint}
+            state = {
+                "draft": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "history": history,
+                "draft_config": model.config.to_dict(),
+                "train_config": asdict(config),
+                "fingerprint": fingerprint,
+            }
             atomic_torch_save(state, checkpoint_path)
         accelerator.wait_for_everyone()
 
     def run_eval() -> None:
         if eval_sequences and accelerator.is_main_process:
-            result = evaluate(model, target, eval_sequences, num_anchors=config.num_anchors, weights=weights, pad_id=pad_id)
+            result = evaluate(
+                model, target, eval_sequences, num_anchors=config.num_anchors, weights=weights, pad_id=pad_id
+            )
             history.append({"step": step, **{f"{k}/{m}": v[m] for k, v in result.items() for m in v}})
-            logger.info("step %d held-out (teacher-forced, target-greedy): %s", step,
-                        "  ".join(f"{k} tau {v['tau']:.2f} loss {v['loss']:.3f}" for k, v in result.items()))
+            logger.info(
+                "step %d held-out (teacher-forced, target-greedy): %s",
+                step,
+                "  ".join(f"{k} tau {v['tau']:.2f} loss {v['loss']:.3f}" for k, v in result.items()),
+            )
 
     start_time, finished, cached = time.monotonic(), True, None
     speed, first_step = {"seconds": 0.0, "blocks": 0, "tokens": 0, "steps": 0}, step
     autocast = torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16")
-    bar = tqdm(total=total_steps, initial=step, desc="training draft", unit="step", disable=not progress or not accelerator.is_main_process)
+    bar = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="training draft",
+        unit="step",
+        disable=not progress or not accelerator.is_main_process,
+    )
     if step == 0:
         run_eval()
     while step < total_steps:
-        if config.stop_after is not None and step >= config.stop_after or (
-            config.time_budget_s is not None and time.monotonic() - start_time > config.time_budget_s):
+        if (
+            config.stop_after is not None
+            and step >= config.stop_after
+            or (config.time_budget_s is not None and time.monotonic() - start_time > config.time_budget_s)
+        ):
             finished = False
             break
         t0 = time.monotonic()
         epoch, index = divmod(step, steps_per_epoch)
         new_batch = cached is None or cached[0] != (epoch, index // repeats)
         if new_batch:
-            ids = batch_order(len(train_sequences), config.batch_size, epoch, config.seed, accelerator.process_index,
-                              accelerator.num_processes, lengths)[index // repeats]
-            cached = ((epoch, index // repeats), *target_batch(target, train_sequences, ids, model.config.target_layer_ids, pad_id,
-                                                                 accelerator.device, feature_cache, vocab is not None and config.label_source == "target"))
+            ids = batch_order(
+                len(train_sequences),
+                config.batch_size,
+                epoch,
+                config.seed,
+                accelerator.process_index,
+                accelerator.num_processes,
+                lengths,
+            )[index // repeats]
+            cached = (
+                (epoch, index // repeats),
+                *target_batch(
+                    target,
+                    train_sequences,
+                    ids,
+                    model.config.target_layer_ids,
+                    pad_id,
+                    accelerator.device,
+                    feature_cache,
+                    vocab is not None and config.label_source == "target",
+                ),
+            )
         batch, target_out, greedy = cached[1:]
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         with autocast:
-            loss, metrics = block_loss(draft, target, batch,
-                                       num_anchors=config.num_anchors, generator=generator, weights=weights,
-                                       distill_weight=config.distill_weight, label_source=config.label_source, vocab=vocab,
-                                       target_out=target_out, greedy=greedy, anchor_stride=config.anchor_stride,
-                                       dpace_alpha=config.dpace_alpha if config.position_weights == "dpace" else None)
+            loss, metrics = block_loss(
+                draft,
+                target,
+                batch,
+                num_anchors=config.num_anchors,
+                generator=generator,
+                weights=weights,
+                distill_weight=config.distill_weight,
+                label_source=config.label_source,
+                vocab=vocab,
+                target_out=target_out,
+                greedy=greedy,
+                anchor_stride=config.anchor_stride,
+                dpace_alpha=config.dpace_alpha if config.position_weights == "dpace" else None,
+            )
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
         optimizer.step()
@@ -584,8 +732,14 @@ def train(
             speed["tokens"] += int(batch["lengths"].sum()) if new_batch else 0
             speed["steps"] += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc1=f"{metrics['accuracy_1']:.2f}", tau=f"{metrics['tau']:.2f}",
-                        tok_s=f"{tokens_per_s:.0f}", lr=f"{scheduler.get_last_lr()[0]:.1e}", gnorm=f"{float(grad_norm):.2f}")
+        bar.set_postfix(
+            loss=f"{float(loss.detach()):.3f}",
+            acc1=f"{metrics['accuracy_1']:.2f}",
+            tau=f"{metrics['tau']:.2f}",
+            tok_s=f"{tokens_per_s:.0f}",
+            lr=f"{scheduler.get_last_lr()[0]:.1e}",
+            gnorm=f"{float(grad_norm):.2f}",
+        )
         if step % config.save_every == 0:
             save()
         if config.eval_every and step % config.eval_every == 0:
@@ -601,12 +755,23 @@ def train(
 def throughput(speed: dict) -> dict:
     """Trained blocks and training tokens (each batch's tokens once, however many updates reuse it) per second."""
     seconds = max(speed["seconds"], 1e-9)
-    return {"steps": speed["steps"], "blocks_per_s": round(speed["blocks"] / seconds, 1),
-            "tokens_per_s": round(speed["tokens"] / seconds, 1)}
+    return {
+        "steps": speed["steps"],
+        "blocks_per_s": round(speed["blocks"] / seconds, 1),
+        "tokens_per_s": round(speed["tokens"] / seconds, 1),
+    }
 
 
-def target_batch(target, sequences: list[Sequence], ids: list[int], layer_ids: list[int], pad_id: int, device,
-                 feature_cache=None, need_greedy: bool = False) -> tuple[dict, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+def target_batch(
+    target,
+    sequences: list[Sequence],
+    ids: list[int],
+    layer_ids: list[int],
+    pad_id: int,
+    device,
+    feature_cache=None,
+    need_greedy: bool = False,
+) -> tuple[dict, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """A batch with the target's output for it: read from `feature_cache`, or from a target forward."""
     if feature_cache is not None:
         cached = feature_cache.batch(ids, pad_id, device)
@@ -617,8 +782,16 @@ def target_batch(target, sequences: list[Sequence], ids: list[int], layer_ids: l
 
 
 @torch.no_grad()
-def measure_acceptance(draft, target, tokenizer, examples: list[dict], *, max_new_tokens: int = 64,
-                       block_size: int | None = None, max_prompt_tokens: int = 256) -> float:
+def measure_acceptance(
+    draft,
+    target,
+    tokenizer,
+    examples: list[dict],
+    *,
+    max_new_tokens: int = 64,
+    block_size: int | None = None,
+    max_prompt_tokens: int = 256,
+) -> float:
     """Mean acceptance length (bonus included) of real greedy `spec_generate` runs over `examples`' prompts."""
     from .data import encode_prompt
 
@@ -626,6 +799,8 @@ def measure_acceptance(draft, target, tokenizer, examples: list[dict], *, max_ne
     lengths = []
     for example in examples:
         ids = torch.tensor([encode_prompt(tokenizer, example["messages"], max_prompt_tokens)], device=target.device)
-        out = draft.spec_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop, block_size=block_size, return_stats=True)
+        out = draft.spec_generate(
+            target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop, block_size=block_size, return_stats=True
+        )
         lengths += out.acceptance_lengths
     return sum(lengths) / max(len(lengths), 1)
