@@ -90,7 +90,7 @@ def explained(target, prompt_ids: list[int], ours: list[int], plain: list[int]) 
     """Where `ours` first leaves `plain`, and whether every difference is a rounding tie: there and, teacher-forced,
     at every later token of ours."""
     found = divergence(target, prompt_ids, ours, plain)
-    if found is None:
-        return None, True
-    worst = worst_off_argmax(target, prompt_ids, ours)
-    return found, found.rounding_tie and (worst is None or worst.rounding_tie)
+    if found is None or not found.rounding_tie:
+        return found, found is None
+    worst = worst_off_argmax(target, prompt_ids, ours)  # only a tie at the first divergence needs the rest checked
+    return found, worst is None or worst.rounding_tie

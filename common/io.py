@@ -1,25 +1,34 @@
 """Atomic file writes: a tool never leaves a half-written result where a good one was."""
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
-    """Writes `data` to a temp file beside `path`, then renames it over `path` (atomic on POSIX)."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary name of its own beside `path` to write to; renamed over `path` (atomic on POSIX) when the block
+    ends, deleted if it raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        yield Path(tmp)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -14,10 +14,8 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.io import write_json_atomic
+from common.io import atomic_path, write_json_atomic
 
 from .data import Sequence
 from .trainer import collate, data_hash, target_greedy, target_pass
@@ -152,18 +150,6 @@ def build_lock(cache_dir: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Writes a shard under a temporary name of its own, then renames it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def build_feature_cache(
     target,
     sequences: list[Sequence],
@@ -212,7 +198,8 @@ def build_locked(target, sequences, cache_dir, layer_ids, pad_id, batch_size, sh
     for a, b in todo:
         name = f"shard-{len(manifest['shards']):05d}.safetensors"
         tensors = shard_tensors(target, sequences[a:b], layer_ids, batch_size, pad_id)
-        save_shard(tensors, cache_dir / name)
+        with atomic_path(cache_dir / name) as tmp:
+            save_file(tensors, tmp)
         manifest["shards"].append({"file": name, "start": a, "end": b})
         write_json_atomic(manifest_path, manifest)
         bar.update(int(tensors["offsets"][-1]))
