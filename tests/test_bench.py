@@ -270,19 +270,38 @@ def test_mlx_backend_end_to_end(model_dirs, prompts_file, tmp_path, monkeypatch,
 
 
 def test_batch_sizes_measure_batched_dflash_against_plain_batches(model_dirs, prompts_file, tmp_path):
-    """Two prompts of different lengths in batches of 1 and 2: every DFlash row equals one-at-a-time decoding in
-    float32 (the run exits 0), and the throughput table, JSON and plot are written."""
+    """Two prompts of different lengths in batches of 1 and 2: every DFlash row equals plain batched `generate` and
+    one-at-a-time decoding in float32 (the run exits 0), and the throughput table, JSON and plot are written."""
     status = main(bench_args(model_dirs, prompts_file, tmp_path, "--batch-size", "1,2"))
     result = json.loads((tmp_path / "results.json").read_text())
     assert status == 0 == result["exit_status"] and result["prompts"] == 2
     assert [r["batch_size"] for r in result["rows"]] == [1, 2]
     for row in result["rows"]:
-        assert row["rows_differing_from_one_at_a_time"] == 0
+        assert row["rows_differing_from_plain"] == 0 == row["rows_differing_from_one_at_a_time"]
         assert row["dflash_tokens_per_second"] > 0 and row["plain_tokens_per_second"] > 0
     assert [len(group) for group in result["rows"][1]["row_lengths"]] == [2], "one batch of two rows"
     assert (tmp_path / "throughput.png").stat().st_size > 0 and "DFlash vs plain" in (
         tmp_path / "summary.txt"
     ).read_text()
+
+
+def test_batch_sizes_fail_when_a_row_differs_from_plain_batched_generate(
+    model_dirs, prompts_file, tmp_path, monkeypatch
+):
+    """The plain batched rows are compared, not thrown away: one altered plain row makes the float32 run exit 1."""
+    import bench.batch
+
+    real = bench.batch.batched
+
+    def one_plain_row_altered(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result["plain"][0][0] = result["plain"][0][0][:-1]
+        return result
+
+    monkeypatch.setattr(bench.batch, "batched", one_plain_row_altered)
+    assert main(bench_args(model_dirs, prompts_file, tmp_path, "--batch-size", "2")) == 1
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["rows_differing_from_plain"] == 2 and row["rows_differing_from_one_at_a_time"] == 0  # DFlash, aligned
 
 
 BAD_ARGS = [
