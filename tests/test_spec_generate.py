@@ -21,6 +21,7 @@ from conftest import (
 )
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
+from common.exactness import explained
 from generation_dflash import DraftHead, check_draft_fits_target, is_int8
 
 
@@ -317,8 +318,14 @@ def test_an_int8_copy_drafts_through_int8_layers_and_head_and_output_stays_exact
         routed = target.generate(row[None], assistant_model=int8, max_new_tokens=25, do_sample=False)
         assert torch.equal(routed, expected) and torch.equal(batched[None], expected)
     bf16 = make_target("qwen3").to(torch.bfloat16)
-    out = int8.spec_generate(bf16, ids[:1], max_new_tokens=8, return_stats=True)  # drafts for a bf16 target too
-    assert out.output_ids.shape[1] == 9 + 8
+    passes = []
+    hook = int8.layers[0].register_forward_hook(lambda *_: passes.append(1))
+    out = int8.spec_generate(bf16, ids[:1], max_new_tokens=24, block_size=8, return_stats=True)  # a bf16 target too
+    hook.remove()
+    plain = greedy_reference(bf16, ids[:1], 24)
+    prompt, ours = ids[0].tolist(), out.output_ids[0, 9:].tolist()
+    assert len(ours) == 24 and len(passes) >= len(out.acceptance_lengths) > 0, "the int8 draft ran every round"
+    assert explained(bf16, prompt, ours, plain[0, 9:].tolist())[1], "equal to plain bf16 greedy up to rounding ties"
     with pytest.raises(ValueError, match="quantizes for CPUs"):
         make_draft().to("meta").int8_copy()
 
