@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     DynamicCache,
+    GenerationConfig,
     LogitsProcessorList,
     StoppingCriteriaList,
     TemperatureLogitsWarper,
@@ -432,6 +433,17 @@ def processors_and_criteria(target, call: dict, config, ids: torch.Tensor):
     return rows, StoppingCriteriaList(c for c in criteria if not isinstance(c, own))
 
 
+def new_token_count(target, call: dict, config, prompt_len: int) -> int:
+    """How many tokens plain `generate` makes: `max_new_tokens`; else a `max_length` the call or a config set, less
+    the prompt; else 20, within the target's `max_position_embeddings`."""
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens
+    if call.get("max_length") is not None or config.max_length != GenerationConfig().max_length:
+        return config.max_length - prompt_len
+    context = getattr(target.config, "max_position_embeddings", None) or prompt_len + 20
+    return min(prompt_len + 20, context) - prompt_len
+
+
 def generate_batch(target, draft, call: dict, block_size: int):
     """`target.generate` for a left-padded batch with a DFlash assistant: the batched loop with the call's greedy or
     sampling settings, logits processors and stopping criteria applied per row as plain batched `generate` applies
@@ -439,7 +451,7 @@ def generate_batch(target, draft, call: dict, block_size: int):
     ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
     config = generation_settings(target, call)
     check_batch_call(call, config)
-    max_new_tokens = config.max_new_tokens or (config.max_length or 20) - ids.shape[1]
+    max_new_tokens = new_token_count(target, call, config, ids.shape[1])
     check_generation_inputs(ids, max_new_tokens, block_size)
     config.max_length = ids.shape[1] + max_new_tokens  # what generate's processors and criteria count against
     processors, criteria = processors_and_criteria(target, call, config, ids)

@@ -499,6 +499,21 @@ def test_a_left_padded_batch_gives_every_row_its_own_greedy_output(arch):
     assert set(new[new.index(eos) + 1 :]) <= {1}, "padded with the call's pad token after the row's end"
 
 
+@pytest.mark.parametrize("length", [{}, {"max_length": 14}])
+def test_a_batch_without_max_new_tokens_makes_what_plain_batched_generate_makes(length):
+    """No `max_new_tokens`: 20 new tokens by default (the prompts here are 8 wide), else the call's `max_length`."""
+    target, draft = make_target("llama"), make_draft()
+    ids, mask = left_padded_batch()
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **length)
+    plain = target.generate(ids, **kwargs)
+    drafts = []
+    handle = draft.register_forward_hook(lambda *args: drafts.append(1))
+    out = target.generate(ids, assistant_model=draft, **kwargs)
+    handle.remove()
+    assert plain.shape[1] == ids.shape[1] + (6 if length else 20)
+    assert torch.equal(out, plain) and drafts, "the draft ran"
+
+
 def test_a_batch_samples_each_row_from_its_own_distribution():
     """Chi-square of the two new tokens of each row, sampled through `target.generate` (fails at p < 1e-4)."""
     target, draft = make_target("llama", initializer_range=0.5), make_draft()
