@@ -10,6 +10,7 @@ given a prefix of target samples, so the output has exactly the target's distrib
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -245,15 +246,17 @@ def compiled_cache_slots(length: int) -> int:
     return max(1024, 1 << (length - 1).bit_length())
 
 
+@functools.cache
+def compiled_forward() -> Callable:
+    """`model.forward(**kwargs)` compiled once per process, as gpt-fast compiles its decode step: dynamo guards on the
+    model it is given, so each target gets its own graph and nothing is stored on the target."""
+    return torch.compile(lambda model, **kwargs: model.forward(**kwargs), dynamic=False)
+
+
 def verify_forward(target, compile_verify: bool) -> Callable:
-    """What runs the verify passes: the target, or its forward compiled once per target (`torch.compile`, as gpt-fast
-    compiles its decode step; the prefill stays eager, since its length changes with every prompt)."""
-    if not compile_verify:
-        return target
-    compiled = target.__dict__.get("_dflash_compiled_forward")
-    if compiled is None:
-        compiled = target.__dict__["_dflash_compiled_forward"] = torch.compile(target.forward, dynamic=False)
-    return compiled
+    """What runs the verify passes: the target, or its compiled forward (the prefill stays eager, since its length
+    changes with every prompt)."""
+    return functools.partial(compiled_forward(), target) if compile_verify else target
 
 
 def verified_length(prompt_len: int, max_new_tokens: int, block_size: int, tree_budget: int | None) -> int:
@@ -414,17 +417,22 @@ def rows(weight: torch.Tensor | None, vocab: torch.Tensor | None) -> torch.Tenso
     return weight if weight is None or vocab is None else weight[vocab]
 
 
+INT8_HEADS = weakref.WeakKeyDictionary()  # draft -> (a weakref to the head's weight, what it was quantized from, head)
+
+
 def int8_head(draft, lm_head, vocab: list[int] | None, weight, bias) -> Callable[[torch.Tensor], torch.Tensor]:
     """An int8 copy of `weight` and `bias` (`lm_head`'s rows in the draft's vocabulary), taking and giving float32;
-    quantized once per draft, head and vocabulary, not every call."""
-    key = (lm_head.weight, None if vocab is None else tuple(vocab))
-    cached = draft.__dict__.get("_int8_head")
-    if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:
+    quantized once per draft, head and vocabulary, and again after the head's weights change in place (a reload
+    bumps their version)."""
+    versions = tuple(getattr(t, "_version", None) for t in (lm_head.weight, lm_head.bias))
+    source = (versions, None if vocab is None else tuple(vocab))
+    cached = INT8_HEADS.get(draft)
+    if cached is None or cached[0]() is not lm_head.weight or cached[1] != source:
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
         linear.load_state_dict({"weight": weight.float()} | ({} if bias is None else {"bias": bias.float()}))
         quantized = quantize_int8(torch.nn.Sequential(linear))
-        cached = draft.__dict__["_int8_head"] = (key, lambda hidden: quantized(hidden.float()))
-    return cached[1]
+        cached = INT8_HEADS[draft] = (weakref.ref(lm_head.weight), source, lambda hidden: quantized(hidden.float()))
+    return cached[2]
 
 
 class DraftHead:

@@ -1,5 +1,6 @@
 """`draft.spec_generate`: exactness against plain target decoding, partial acceptance, sampling, stops and errors."""
 
+import copy
 import warnings
 
 import pytest
@@ -330,6 +331,18 @@ def test_an_int8_copy_drafts_through_int8_layers_and_head_and_output_stays_exact
         make_draft().to("meta").int8_copy()
 
 
+def test_an_int8_head_follows_the_target_when_its_weights_are_reloaded_in_place():
+    """The head's int8 rows are quantized once, and again after `load_state_dict` rewrites the target's weights."""
+    target, int8 = make_target("llama"), make_draft().int8_copy()
+    hidden = torch.randn(1, 5, target.config.hidden_size)
+    before = DraftHead(int8, target.lm_head).scores(hidden)
+    target.load_state_dict(make_target("llama", initializer_range=0.5).state_dict())
+    exact = DraftHead(make_draft(), target.lm_head).scores(hidden)
+    after = DraftHead(int8, target.lm_head).scores(hidden)
+    assert (after - exact).norm() / exact.norm() < 0.05 < (before - exact).norm() / exact.norm()
+    assert not any("int8" in name for name in int8.__dict__ if name != "_int8_weights"), "nothing stashed on it"
+
+
 def test_an_int8_copy_is_refused_by_save_pretrained_and_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="int8_copy\\(\\) cannot be saved"):
         make_draft().int8_copy().save_pretrained(tmp_path / "int8")
@@ -655,7 +668,24 @@ def test_compiled_verify_refuses_changing_shapes_before_compute(kwargs, message)
         make_draft().spec_generate(
             target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=12, compile_verify=True, **kwargs
         )
-    assert not calls and "_dflash_compiled_forward" not in target.__dict__
+    assert not calls
+
+
+@pytest.mark.skipif(
+    not STATIC_CROPPABLE, reason="a compiled verify needs a static cache, which transformers 4.x cannot crop"
+)
+def test_a_compiled_verify_stores_nothing_on_the_target_and_follows_a_copy():
+    target, ids = make_target("llama"), torch.tensor([[5, 6, 7]])
+    before = set(target.__dict__)
+    draft = make_draft()
+    compiled = dict(max_new_tokens=10, block_size=4, tree_budget=0, compile_verify=True)
+    assert torch.equal(draft.spec_generate(target, ids, **compiled), greedy_reference(target, ids, 10))
+    assert set(target.__dict__) == before
+    other = copy.deepcopy(target)
+    other.load_state_dict(make_target("llama", initializer_range=0.5).state_dict())
+    expected = greedy_reference(other, ids, 10)
+    assert not torch.equal(expected, greedy_reference(target, ids, 10)), "the copy decodes differently"
+    assert torch.equal(draft.spec_generate(other, ids, **compiled), expected)
 
 
 def test_generation_config_settings_it_does_not_apply_are_named():
