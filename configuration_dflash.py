@@ -15,6 +15,16 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(1 + j * span) for j in range(num_draft_layers)]
 
 
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    """The sampling settings every route takes (torch and MLX), refused before any compute."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be at least 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
+
+
 def first_stop(tokens: list[int], stop_token_ids, start: int = 0) -> int | None:
     """Index just after the first stop token in `tokens[start:]`, or None. Shared by the torch and MLX loops, the
     benchmark and training data, which all cut an output after its first stop token."""
@@ -212,6 +222,7 @@ __all__ = [
     "build_target_layer_ids",
     "check_draft_config",
     "check_fits_target",
+    "check_sampling",
     "dflash2_settings",
     "first_stop",
     "legacy_rope_fields",

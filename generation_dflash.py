@@ -31,7 +31,7 @@ try:
         static_length,
         target_cache_for,
     )
-    from .configuration_dflash import check_fits_target, first_stop
+    from .configuration_dflash import check_fits_target, check_sampling, first_stop
     from .tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import (
@@ -45,7 +45,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         static_length,
         target_cache_for,
     )
-    from configuration_dflash import check_fits_target, first_stop
+    from configuration_dflash import check_fits_target, check_sampling, first_stop
     from tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
 
 
@@ -152,15 +152,6 @@ def check_generation_inputs(input_ids: torch.Tensor, max_new_tokens: int, block_
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if block_size < 2:
         raise ValueError(f"block_size must be at least 2 (the last token plus one drafted token), got {block_size}")
-
-
-def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be at least 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
 
 
 # decoding settings a target's generation config may set that `spec_generate` does not apply (its own arguments

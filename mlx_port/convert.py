@@ -17,6 +17,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.utils import quantize_model, save_config, save_model
 
+from common.checks import check_model_path
+
 from .model import Model
 from .utils import fetch_path, load_draft_model
 
@@ -76,7 +78,10 @@ def configure_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    path = convert(**vars(configure_parser().parse_args()))
+    parser = configure_parser()
+    args = parser.parse_args()
+    check_model_path(parser, "--hf-path", args.hf_path, draft=True)
+    path = convert(**vars(args))
     print(f"[INFO] Saved the MLX draft to {path}")
 
 

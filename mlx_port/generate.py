@@ -14,10 +14,12 @@ the walk follows the children holding the target's choices, and the cache keeps 
 
 import argparse
 import contextlib
+import sys
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -27,11 +29,13 @@ from mlx_lm.models.cache import ArraysCache, ConcatenateKVCache, KVCache, Quanti
 from mlx_lm.sample_utils import greedy_sampler, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from configuration_dflash import check_fits_target, first_stop
+from common.checks import check_model_path
+from configuration_dflash import check_fits_target, check_sampling, first_stop
 from tree_dflash import DraftTree, best_first, config_tree, prompt_lookup
 
 from .model import Model
 
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the model repo: its draft is the default
 Sampler = Callable[[mx.array], mx.array]
 TRIMMABLE_CACHES = (KVCache, QuantizedKVCache, ConcatenateKVCache)
 
@@ -553,8 +557,16 @@ def default_block_size(model: nn.Module, draft: Model) -> int:
 
 def configure_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Generate with an mlx-lm target and a DFlash draft.")
-    parser.add_argument("--model", required=True, help="Target: local mlx-lm folder or Hugging Face Hub id.")
-    parser.add_argument("--draft-model", required=True, help="DFlash draft folder (converted or raw) or Hub id.")
+    parser.add_argument(
+        "--model",
+        help="Target: local mlx-lm folder or Hugging Face Hub id (default: the embedded SmolLM2-135M-Instruct, "
+        "default_target_path()).",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=str(REPO_ROOT),
+        help="DFlash draft folder (converted or raw) or Hub id (default: this repo's draft).",
+    )
     parser.add_argument("--prompt", default="hello", help="Prompt text.")
     parser.add_argument("--max-tokens", type=int, default=256, help="Maximum number of tokens to generate.")
     parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 is greedy).")
@@ -588,12 +600,33 @@ def configure_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_cli_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses bad settings before any model loads, and fills in the default target's path."""
+    try:
+        check_sampling(args.temp, args.top_p, args.top_k)
+    except ValueError as error:
+        parser.error(f"{error} (--temp, --top-p, --top-k)")
+    if not 0 <= args.min_p <= 1:
+        parser.error(f"--min-p must be in [0, 1], got {args.min_p}")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.model is None:
+        from default_target import default_target_path
+
+        args.model = str(default_target_path())
+        print(f"[INFO] target: {args.model}", file=sys.stderr)
+    check_model_path(parser, "--model", args.model, draft=False)
+    check_model_path(parser, "--draft-model", args.draft_model, draft=True)
+
+
 def main() -> None:
     from mlx_lm import stream_generate as plain_stream_generate
 
     from .utils import load, load_draft
 
-    args = configure_parser().parse_args()
+    parser = configure_parser()
+    args = parser.parse_args()
+    check_cli_args(parser, args)
     if args.seed is not None:
         mx.random.seed(args.seed)
     model, tokenizer = load(args.model)

@@ -1086,6 +1086,38 @@ def test_readme_mlx_snippet_runs_as_written(monkeypatch, capsys):
     assert capsys.readouterr().out.strip()
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temp", "-1"], "temperature must be at least 0, got -1.0"),
+        (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["--min-p", "2"], "--min-p must be in [0, 1], got 2.0"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+        (["--model", "/no/such/target"], "--model /no/such/target: no such folder"),
+        (["--draft-model", "/no/such/draft"], "--draft-model /no/such/draft: no such folder"),
+    ],
+)
+def test_cli_generate_refuses_bad_settings_in_one_line_before_loading(argv, message, monkeypatch, capsys):
+    generation, loads = importlib.import_module("mlx_port.generate"), []
+    monkeypatch.setattr("mlx_port.utils.load", lambda *args, **kwargs: loads.append(args))
+    monkeypatch.setattr(sys, "argv", ["python -m mlx_port generate", "--model", str(ROOT), *argv])
+    with pytest.raises(SystemExit) as stopped:
+        generation.main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err.splitlines()[-1] and "Traceback" not in err and not loads
+
+
+def test_cli_generate_defaults_to_the_embedded_target_and_this_repos_draft(capsys):
+    from default_target import default_target_path
+    from mlx_port.generate import check_cli_args, configure_parser
+
+    parser = configure_parser()
+    args = parser.parse_args([])
+    check_cli_args(parser, args)
+    assert args.model == str(default_target_path()) and Path(args.draft_model) == ROOT
+    assert f"target: {default_target_path()}" in capsys.readouterr().err, "the default target's path is said"
+
+
 def test_cli_help_lists_the_commands():
     done = subprocess.run(
         [sys.executable, "-m", "mlx_port", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120

@@ -1,5 +1,6 @@
 """The training recipe on tiny random targets; one slow test checks the shipped root draft against SmolLM2."""
 
+import importlib
 import json
 
 import pytest
@@ -454,8 +455,9 @@ def test_init_from_a_draft_folder_starts_from_its_weights(tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(SystemExit, match="the draft there has num_layers=2"):
         initial_draft(parse_args(["--output", "o", "--init", str(tmp_path / "draft"), "--num-layers", "3"]), target)
-    with pytest.raises(SystemExit, match="not 'target', 'random' or a draft folder"):
-        initial_draft(parse_args(["--output", "o", "--init", str(tmp_path / "nowhere")]), target)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        parse_args(["--output", "o", "--init", str(tmp_path / "empty")])  # no config.json: said by argparse
 
 
 def test_cli_reports_its_refusals_in_one_line(tmp_path, capsys):
@@ -468,6 +470,24 @@ def test_cli_reports_its_refusals_in_one_line(tmp_path, capsys):
     assert (
         "python -m training: error: output folder" in err and "refusing to overwrite" in err and "Traceback" not in err
     )
+
+
+@pytest.mark.parametrize(
+    "module, argv, message",
+    [
+        ("training.__main__", ["--output", "o", "--target", "/no/such/target"], "--target /no/such/target: no such"),
+        ("training.__main__", ["--output", "o", "--init", "/no/such/draft"], "--init /no/such/draft: no such folder"),
+        ("training.export", ["--draft", "runs/missing"], "--draft runs/missing: no such folder"),
+        ("training.export", ["--draft", ".", "--repo", "/no/such/repo"], "--repo /no/such/repo: no such folder"),
+        ("training.export", ["--draft", ".", "--target", "/no/t"], "--target /no/t: no such folder"),
+    ],
+)
+def test_a_missing_folder_is_named_in_one_line_before_anything_loads(module, argv, message, capsys):
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err.splitlines()[-1] and "Traceback" not in err
 
 
 def test_cached_responses_only_selects_what_the_cache_holds(tmp_path):

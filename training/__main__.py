@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from common.checks import check_model_path
 from default_target import DTYPES, load_default_target, resolve_dtype
 from generation_dflash import check_draft_fits_target
 from modeling_dflash import DFlashDraftModel
@@ -198,6 +199,10 @@ def parse_args(argv=None, features_only: bool = False) -> argparse.Namespace:
         p.error("the following arguments are required: --output")
     if features_only and args.feature_cache is None:
         p.error("the following arguments are required: --feature-cache")
+    if args.target != "default":
+        check_model_path(p, "--target", args.target, draft=False)
+    if args.init not in ("target", "random"):
+        check_model_path(p, "--init", args.init, draft=True)
     return args
 
 
@@ -236,8 +241,6 @@ def initial_draft(args: argparse.Namespace, target):
             mask_token_id=mask_id,
         )
         return new_draft(target, config, init=args.init, seed=args.seed)
-    if not (Path(args.init) / "config.json").exists():
-        raise SystemExit(f"--init {args.init}: not 'target', 'random' or a draft folder with a config.json")
     draft = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32)
     given = {
         "num_layers": (args.num_layers, draft.config.num_hidden_layers),

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from common.checks import check_model_path
 from modeling_dflash import DFlashDraftModel
 
 from .trainer import DRAFT_FILES, install_weights
@@ -108,6 +109,13 @@ def main(argv=None) -> int:
         help="cache of the held-out responses (a training run dir reuses its own)",
     )
     args = p.parse_args(argv)
+    if not args.draft.is_dir():
+        p.error(f"--draft {args.draft}: no such folder")
+    check_model_path(p, "--draft", str(args.draft), draft=True)
+    if args.target != "default":
+        check_model_path(p, "--target", args.target, draft=False)
+    if not args.repo.is_dir():
+        p.error(f"--repo {args.repo}: no such folder")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     scores = install_if_better(args.draft, args.repo, held_out_score(args), force=args.force)
