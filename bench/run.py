@@ -109,6 +109,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not 0 < args.tree_min_prob < 1:
         parser.error(f"--tree-min-prob must be in (0, 1), got {args.tree_min_prob}")
     args.dtype = resolve_dtype(args.dtype, args.device)
+    for name in args.dataset.split(","):
+        try:
+            load_prompts(name, 1)  # a bad name or file is said before any model loads
+        except (OSError, ValueError) as error:
+            parser.error(f"--dataset: {error}")
     check_model_path(parser, "--target", args.target, draft=False)
     check_model_path(parser, "--draft", args.draft, draft=True)
 

@@ -317,6 +317,7 @@ BAD_ARGS = [
     (["--block-size", "1"], "--block-size must be at least 2"),
     (["--target", "/no/such/target"], "--target /no/such/target: no such folder"),
     (["--draft", "/no/such/draft"], "--draft /no/such/draft: no such folder"),
+    (["--dataset", "mt-bench,nope"], "--dataset: unknown dataset 'nope': use one of"),
 ]
 
 

@@ -2,6 +2,8 @@
 
 import importlib
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -607,6 +609,33 @@ def test_resume_after_interruption_gives_identical_state(tmp_path, precondition_
     assert s["scheduler"] == r["scheduler"]
     for x, y in zip(s["optimizer"]["state"].values(), r["optimizer"]["state"].values()):
         assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_ctrl_c_stops_at_the_next_step_checkpointed_and_the_run_resumes_there(tmp_path, monkeypatch):
+    """A real SIGINT in the middle of step 3: the step finishes, is checkpointed, and the run says so; resumed, it
+    ends where an uninterrupted run ends. A second Ctrl-C would stop at once (the handler is put back)."""
+    import training.trainer as trainer
+    from training.__main__ import stopped_early
+
+    target, data = make_target("llama"), random_sequences(8)
+    straight = tiny_draft(target)
+    train(straight, target, data, tmp_path / "straight", quick_config(max_steps=6), progress=False)
+    calls, loss = [], trainer.block_loss
+    ctrl_c = lambda *a, **k: (calls.append(1), len(calls) == 3 and os.kill(os.getpid(), signal.SIGINT))[0]
+    monkeypatch.setattr(trainer, "block_loss", lambda *a, **k: ctrl_c() or loss(*a, **k))
+    handler = signal.getsignal(signal.SIGINT)
+    summary = train(tiny_draft(target), target, data, tmp_path / "run", quick_config(max_steps=6), progress=False)
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert (summary["step"], summary["finished"], summary["interrupted"]) == (3, False, True)
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 3
+    message = stopped_early(summary, tmp_path / "run", tmp_path / "out")
+    assert "Ctrl-C at step 3 of 6" in message and str(tmp_path / "run" / "checkpoint.pt") in message
+    assert "resume, run the same command with --overwrite" in message
+    monkeypatch.undo()
+    again = tiny_draft(target)
+    assert train(again, target, data, tmp_path / "run", quick_config(max_steps=6), progress=False)["step"] == 6
+    for (name, a), b in zip(straight.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_periodic_held_out_evaluation_is_recorded(tmp_path):

@@ -35,9 +35,12 @@ from .trainer import (
 DEFAULT_MASK_TOKEN_ID = 16  # `<empty_output>` in SmolLM2's vocab: a special token the target never writes in chat
 
 
+def program(features_only: bool) -> str:
+    return "python -m training.features" if features_only else "python -m training"
+
+
 def parse_args(argv=None, features_only: bool = False) -> argparse.Namespace:
-    prog = "python -m training.features" if features_only else "python -m training"
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=program(features_only), description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--output", type=Path, help="folder for the trained draft (must be new, empty, or a draft with --overwrite)"
     )
@@ -372,14 +375,18 @@ def main(argv=None, features_only: bool = False) -> int:
     if not state.is_main_process:
         return 0
     save_draft(draft, args.output, overwrite=args.overwrite)
+    history = summary["history"]
     result = {
         "output": str(args.output),
         "run_dir": str(run_dir),
         "step": summary["step"],
         "finished": summary["finished"],
-        "held_out": summary["history"][-1] if summary["history"] else None,
+        "held_out": history[-1] if history and history[-1]["step"] == summary["step"] else None,  # of this draft
+        "last_held_out": history[-1] if history else None,
         "throughput": summary["throughput"],
     }
+    if not summary["finished"]:
+        print(stopped_early(summary, run_dir, args.output), file=sys.stderr)
     if args.measure_tau:
         result["spec_generate_tau"] = {
             name: round(
@@ -392,6 +399,14 @@ def main(argv=None, features_only: bool = False) -> int:
         }
     print(json.dumps(result, indent=2))
     return 0
+
+
+def stopped_early(summary: dict, run_dir: Path, output: Path) -> str:
+    why = "stopped by Ctrl-C" if summary["interrupted"] else "stopped at its step or time limit"
+    return (
+        f"training {why} at step {summary['step']} of {summary['total_steps']}: checkpoint "
+        f"{run_dir / 'checkpoint.pt'}, the draft so far in {output}; to resume, run the same command with --overwrite"
+    )
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -466,9 +481,11 @@ def cli(argv=None, features_only: bool = False) -> int:
     try:
         return main(argv, features_only)
     except (ValueError, FileExistsError) as error:
-        prog = "python -m training.features" if features_only else "python -m training"
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(f"{program(features_only)}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the training loop, which stops cleanly by itself
+        print(f"{program(features_only)}: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

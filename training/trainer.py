@@ -4,14 +4,18 @@ The target's forward gives both the context features and its own next-token dist
 (its argmax, what decoding must match) and as soft labels for distillation.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -549,6 +553,27 @@ def evaluate(
     return results
 
 
+@contextlib.contextmanager
+def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C asks the loop to stop at the next step, which then checkpoints (a second Ctrl-C stops at once);
+    yields whether it was asked."""
+    asked = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can take signals
+        yield lambda: False
+        return
+
+    def ask(signum, frame):
+        asked.append(signum)
+        signal.signal(signal.SIGINT, previous)
+        logger.warning("stopping after this step and checkpointing (Ctrl-C again to stop at once)")
+
+    previous = signal.signal(signal.SIGINT, ask)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def train(
     draft: DFlashDraftModel,
     target,
@@ -571,7 +596,10 @@ def train(
     With `train_vocab_size`, the draft's config records that vocabulary (`draft_vocab`), which decoding then proposes
     from. A checkpoint written with other settings or data is refused unless `allow_changed_settings`.
 
-    Returns a summary with the last step, the last held-out evaluation and whether training finished.
+    Ctrl-C stops it cleanly at the next step, checkpointed; calling it again resumes there.
+
+    Returns a summary with the last step, the steps planned, the held-out evaluations, whether training finished
+    and whether Ctrl-C stopped it.
     """
     from accelerate import Accelerator
     from tqdm.auto import tqdm
@@ -666,90 +694,100 @@ def train(
     )
     if step == 0:
         run_eval()
-    while step < total_steps:
-        if (
-            config.stop_after is not None
-            and step >= config.stop_after
-            or (config.time_budget_s is not None and time.monotonic() - start_time > config.time_budget_s)
-        ):
-            finished = False
-            break
-        t0 = time.monotonic()
-        epoch, index = divmod(step, steps_per_epoch)
-        new_batch = cached is None or cached[0] != (epoch, index // repeats)
-        if new_batch:
-            ids = batch_order(
-                len(train_sequences),
-                config.batch_size,
-                epoch,
-                config.seed,
-                accelerator.process_index,
-                accelerator.num_processes,
-                lengths,
-            )[index // repeats]
-            cached = (
-                (epoch, index // repeats),
-                *target_batch(
+    with stop_on_interrupt() as interrupted:
+        while step < total_steps:
+            if (
+                config.stop_after is not None
+                and step >= config.stop_after
+                or (config.time_budget_s is not None and time.monotonic() - start_time > config.time_budget_s)
+                or interrupted()
+            ):
+                finished = False
+                break
+            t0 = time.monotonic()
+            epoch, index = divmod(step, steps_per_epoch)
+            new_batch = cached is None or cached[0] != (epoch, index // repeats)
+            if new_batch:
+                ids = batch_order(
+                    len(train_sequences),
+                    config.batch_size,
+                    epoch,
+                    config.seed,
+                    accelerator.process_index,
+                    accelerator.num_processes,
+                    lengths,
+                )[index // repeats]
+                cached = (
+                    (epoch, index // repeats),
+                    *target_batch(
+                        target,
+                        train_sequences,
+                        ids,
+                        model.config.target_layer_ids,
+                        pad_id,
+                        accelerator.device,
+                        feature_cache,
+                        vocab is not None and config.label_source == "target",
+                    ),
+                )
+            batch, target_out, greedy = cached[1:]
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
+            with autocast:
+                loss, metrics = block_loss(
+                    draft,
                     target,
-                    train_sequences,
-                    ids,
-                    model.config.target_layer_ids,
-                    pad_id,
-                    accelerator.device,
-                    feature_cache,
-                    vocab is not None and config.label_source == "target",
-                ),
+                    batch,
+                    num_anchors=config.num_anchors,
+                    generator=generator,
+                    weights=weights,
+                    distill_weight=config.distill_weight,
+                    label_source=config.label_source,
+                    vocab=vocab,
+                    target_out=target_out,
+                    greedy=greedy,
+                    anchor_stride=config.anchor_stride,
+                    dpace_alpha=config.dpace_alpha if config.position_weights == "dpace" else None,
+                )
+            accelerator.backward(loss)
+            grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            elapsed = time.monotonic() - t0
+            tokens_per_s = int(batch["lengths"].sum()) / elapsed
+            if step > first_step + 1:  # the first step warms up
+                speed["seconds"] += elapsed
+                speed["blocks"] += metrics["trained_blocks"]
+                speed["tokens"] += int(batch["lengths"].sum()) if new_batch else 0
+                speed["steps"] += 1
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{float(loss.detach()):.3f}",
+                acc1=f"{metrics['accuracy_1']:.2f}",
+                tau=f"{metrics['tau']:.2f}",
+                tok_s=f"{tokens_per_s:.0f}",
+                lr=f"{scheduler.get_last_lr()[0]:.1e}",
+                gnorm=f"{float(grad_norm):.2f}",
             )
-        batch, target_out, greedy = cached[1:]
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        with autocast:
-            loss, metrics = block_loss(
-                draft,
-                target,
-                batch,
-                num_anchors=config.num_anchors,
-                generator=generator,
-                weights=weights,
-                distill_weight=config.distill_weight,
-                label_source=config.label_source,
-                vocab=vocab,
-                target_out=target_out,
-                greedy=greedy,
-                anchor_stride=config.anchor_stride,
-                dpace_alpha=config.dpace_alpha if config.position_weights == "dpace" else None,
-            )
-        accelerator.backward(loss)
-        grad_norm = accelerator.clip_grad_norm_(draft.parameters(), config.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        elapsed = time.monotonic() - t0
-        tokens_per_s = int(batch["lengths"].sum()) / elapsed
-        if step > first_step + 1:  # the first step warms up
-            speed["seconds"] += elapsed
-            speed["blocks"] += metrics["trained_blocks"]
-            speed["tokens"] += int(batch["lengths"].sum()) if new_batch else 0
-            speed["steps"] += 1
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{float(loss.detach()):.3f}",
-            acc1=f"{metrics['accuracy_1']:.2f}",
-            tau=f"{metrics['tau']:.2f}",
-            tok_s=f"{tokens_per_s:.0f}",
-            lr=f"{scheduler.get_last_lr()[0]:.1e}",
-            gnorm=f"{float(grad_norm):.2f}",
-        )
-        if step % config.save_every == 0:
-            save()
-        if config.eval_every and step % config.eval_every == 0:
-            run_eval()
+            if step % config.save_every == 0:
+                save()
+            if config.eval_every and step % config.eval_every == 0:
+                run_eval()
+        stopped_by_user = interrupted()
     bar.close()
     save()
     if finished and (not history or history[-1]["step"] != step):
         run_eval()
     fold_fc(model)
-    return {"step": step, "finished": finished, "history": history, "throughput": throughput(speed)}
+    return {
+        "step": step,
+        "total_steps": total_steps,
+        "finished": finished,
+        "interrupted": stopped_by_user,
+        "history": history,
+        "throughput": throughput(speed),
+    }
 
 
 def throughput(speed: dict) -> dict:
