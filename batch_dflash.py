@@ -31,6 +31,7 @@ try:
         OutputEnd,
         SpecGenerateOutput,
         chain_proposal,
+        check_context,
         check_generation_inputs,
         draft_embedding,
         pick_tokens,
@@ -46,6 +47,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         OutputEnd,
         SpecGenerateOutput,
         chain_proposal,
+        check_context,
         check_generation_inputs,
         draft_embedding,
         pick_tokens,
@@ -453,6 +455,7 @@ def generate_batch(target, draft, call: dict, block_size: int):
     check_batch_call(call, config)
     max_new_tokens = new_token_count(target, call, config, ids.shape[1])
     check_generation_inputs(ids, max_new_tokens, block_size)
+    check_context(target, ids, max_new_tokens)
     config.max_length = ids.shape[1] + max_new_tokens  # what generate's processors and criteria count against
     processors, criteria = processors_and_criteria(target, call, config, ids)
     sequences = draft._batched_spec_generate(

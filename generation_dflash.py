@@ -9,6 +9,8 @@ given a prefix of target samples, so the output has exactly the target's distrib
 """
 
 import functools
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -180,17 +182,47 @@ NOT_APPLIED = (
 )
 
 
+OWN_FILES = ("generation_dflash.py", "batch_dflash.py", "modeling_dflash.py", "tree_dflash.py", "cache_dflash.py")
+
+
+def warn_caller(message: str) -> None:
+    """A UserWarning at the caller's line, past this repo's decoding files and torch's decorators (Python 3.12's
+    `skip_file_prefixes`, by file name)."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and (
+        os.path.basename(frame.f_code.co_filename) in OWN_FILES or f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+    ):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, UserWarning, stacklevel=level)
+
+
+def check_context(target, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """A prompt longer than the target's context is refused; output that would run past it is warned of, as
+    `generate` warns."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context is None:
+        return
+    if input_ids.shape[1] > context:
+        raise ValueError(
+            f"the prompt has {input_ids.shape[1]} tokens, more than the target's context of {context} "
+            "(max_position_embeddings): shorten it"
+        )
+    if input_ids.shape[1] + max_new_tokens > context:
+        warn_caller(
+            f"the prompt's {input_ids.shape[1]} tokens and max_new_tokens={max_new_tokens} run past the target's "
+            f"context of {context} (max_position_embeddings): output beyond it is out of what the model was trained on"
+        )
+
+
 def warn_generation_config_not_applied(target) -> None:
     """Names what the target's `generation_config` sets that `spec_generate` would otherwise silently ignore."""
     config = getattr(target, "generation_config", None)
     diff = config.to_diff_dict() if config is not None else {}
     ignored = sorted(name for name in NOT_APPLIED if diff.get(name) is not None)
     if ignored:
-        warnings.warn(
+        warn_caller(
             f"spec_generate does not apply the target's generation_config settings {ignored}: it decodes with its own "
-            "temperature, top_k, top_p and stop_token_ids (target.generate(..., assistant_model=draft) applies them)",
-            UserWarning,
-            stacklevel=3,
+            "temperature, top_k, top_p and stop_token_ids (target.generate(..., assistant_model=draft) applies them)"
         )
 
 
@@ -278,11 +310,7 @@ def default_tree_budget(
         check_tree_supported(target, nodes, final_length(nodes))
     except ValueError as reason:  # a default steps aside; an explicit setting keeps raising
         what = f"tree of {nodes}" if name == "tree_budget" else f"{name}={nodes}"
-        warnings.warn(
-            f"verifying the argmax chain instead of the draft config's {what}: {reason}",
-            UserWarning,
-            stacklevel=3,
-        )
+        warn_caller(f"verifying the argmax chain instead of the draft config's {what}: {reason}")
         return None
     return nodes
 
@@ -639,12 +667,13 @@ def spec_generate(
     """
     if isinstance(input_ids, Mapping) and attention_mask is None:
         attention_mask = input_ids.get("attention_mask")
+    check_draft_fits_target(self, target)  # before the prompt: a draft for another target would blame its ids
     input_ids = prompt_tensor(target, input_ids)
     block_size = block_size or self.config.block_size
     check_generation_inputs(input_ids, max_new_tokens, block_size)
+    check_context(target, input_ids, max_new_tokens)
     check_sampling(temperature, top_p, top_k)
     check_schedule(block_size_schedule)
-    check_draft_fits_target(self, target)
     warn_generation_config_not_applied(target)
     if input_ids.shape[0] > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())):
         return self._batched_spec_generate(

@@ -599,7 +599,8 @@ def test_readme_python_snippets_run_as_written(models, monkeypatch, capsys):
         exec(compile("\n".join(lines), "README.md", "exec"), namespace)
     stats = namespace["stats"]
     assert stats.num_output_tokens > 0 and len(stats.acceptance_lengths) > 0
-    assert capsys.readouterr().out.strip()
+    printed = capsys.readouterr().out
+    assert printed.strip() and "<|im_end|>" not in printed, "the streamed greedy answer ends at the EOS, unprinted"
 
 
 @pytest.fixture(scope="module")

@@ -688,6 +688,36 @@ def test_a_compiled_verify_stores_nothing_on_the_target_and_follows_a_copy():
     assert torch.equal(draft.spec_generate(other, ids, **compiled), expected)
 
 
+def test_a_draft_for_another_target_is_named_before_the_prompt_is_blamed():
+    """Ids tokenized for the draft's (larger-vocabulary) target: the mismatch named is the draft's, not the ids'."""
+    target, passes = make_target("llama"), []
+    target.register_forward_pre_hook(lambda *a: passes.append(1))
+    with pytest.raises(ValueError, match="vocab_size 99 does not match the target's 64"):
+        make_draft(vocab_size=99).spec_generate(target, torch.tensor([[5, 80]]), max_new_tokens=4)
+    assert not passes
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_output_past_it_is_warned_of():
+    target, draft, passes = make_target("llama", max_position_embeddings=16), make_draft(), []
+    target.register_forward_pre_hook(lambda *a: passes.append(1))
+    ids = torch.randint(3, VOCAB - 1, (2, 17), generator=torch.Generator().manual_seed(0))
+    message = "the prompt has 17 tokens, more than the target's context of 16"
+    for call in (
+        lambda: draft.spec_generate(target, ids[:1], max_new_tokens=4),
+        lambda: draft.spec_generate(target, ids, max_new_tokens=4),
+        lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert not passes, "refused before compute"
+    with pytest.warns(UserWarning, match="12 tokens and max_new_tokens=8 run past the target's context of 16") as got:
+        out = draft.spec_generate(target, ids[:1, :12], max_new_tokens=8)
+    assert got[0].filename == __file__ and out.shape[1] == 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        draft.spec_generate(target, ids[:1, :12], max_new_tokens=4)  # within the context: nothing to say
+
+
 def test_generation_config_settings_it_does_not_apply_are_named():
     """`spec_generate` decodes with its own arguments; what the target's generation config sets beyond the EOS ids
     would be silently ignored, so it is named in a warning."""
@@ -702,5 +732,6 @@ def test_generation_config_settings_it_does_not_apply_are_named():
     with pytest.warns(
         UserWarning,
         match=r"does not apply the target's generation_config settings \['repetition_penalty', 'suppress_tokens'\]",
-    ):
+    ) as record:
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4)
+    assert record[0].filename == __file__, f"the warning points at the caller's line, not {record[0].filename}"

@@ -291,8 +291,9 @@ def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
     draft.config.tree_budget = 4
     with pytest.warns(
         UserWarning, match="verifying the argmax chain instead of the draft config's tree of 4: .*sliding-window"
-    ):
+    ) as record:
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32)
+    assert record[0].filename == __file__, "the warning points at the caller's line"
     assert torch.equal(out, expected) and set(lengths[1:]) == {8}, lengths  # chains of the whole block
     with pytest.raises(ValueError, match="sliding-window mask"):
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32, tree_budget=4)
