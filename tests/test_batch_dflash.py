@@ -74,16 +74,17 @@ class BatchOracle(OracleDraft):
     """Right for `k` tokens of each row's own continuation, with `k` different per row and per round, so rows
     accept different prefixes in the same round; records each round's `k` per row."""
 
-    def setup_rows(self, target, references: list[list[int]], block_size: int):
+    def setup_rows(self, target, references: list[list[int]], block_size: int, k: int | None = None):
+        """`k`: the same for every row and round (e.g. the whole block: each row's reference, never wrong)."""
         self.setup(target, torch.tensor([references[0]]), 0)
-        self.references, self.block_size, self.ks = references, block_size, []
+        self.references, self.block_size, self.ks, self.fixed_k = references, block_size, [], k
         return self
 
     def forward(self, noise_embeds, context_hidden_states, position_ids=None, **kwargs):
         out = super(OracleDraft, self).forward(noise_embeds, context_hidden_states, position_ids=position_ids, **kwargs)
         block, rounds = noise_embeds.shape[1], len(self.ks)
         rows = []
-        ks = [(rounds + 2 * r) % block for r in range(noise_embeds.shape[0])]
+        ks = [(rounds + 2 * r) % block if self.fixed_k is None else self.fixed_k for r in range(len(self.row_ids))]
         for row, k in zip(self.row_ids, ks):
             self.reference, self.k = self.references[row], k
             start = int(position_ids[len(rows), -block])
@@ -180,6 +181,41 @@ def test_each_row_keeps_its_own_sampling_distribution():
     for row in range(2):
         p_value, chi2, dof = chi_square_p_value(counts[row], exact[row])
         assert p_value > 1e-4, f"row {row}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+def test_rows_accepting_different_lengths_while_sampling_keep_their_own_distributions(row_ids_to_oracle):
+    """Each row's draft proposes that prompt's greedy continuation, which a sampled target accepts for a random number
+    of tokens, different per row: chi-square per row of the three new tokens (the prefill's, then two drafted
+    positions) against that prompt's exact joint distribution at temperature 1 (fails at p < 1e-4)."""
+    target, n, block_size = make_target("llama", initializer_range=0.5), 2000, 4
+    prompts = [[5, 6, 7], [9]]
+    references = [p + e for p, e in zip(prompts, expected_rows(target, prompts, 8))]
+    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size, k=block_size)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(1.0)])
+    exact = [exact_joint_distribution(target, torch.tensor([p]), processors, 3).flatten() for p in prompts]
+    ids, mask = left_pad(prompts)
+    counts, firsts = torch.zeros(2, VOCAB**3), []
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        out = draft.spec_generate(
+            target,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            temperature=1.0,
+            block_size=block_size,
+            generator=g,
+            stop_token_ids=None,
+            return_stats=True,
+        )
+        for row, (t1, t2, t3) in enumerate(out.output_ids[:, -3:].tolist()):
+            counts[row, (t1 * VOCAB + t2) * VOCAB + t3] += 1
+        firsts.append(tuple(lengths[0] for lengths in out.acceptance_lengths))
+    for row in range(2):
+        p_value, chi2, dof = chi_square_p_value(counts[row], exact[row])
+        assert p_value > 1e-4 and dof > 20, f"row {row}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+        assert {f[row] for f in firsts} >= {1, 2, 3}, f"row {row} accepted 0, 1 and 2 drafted tokens"
+    assert sum(a != b for a, b in firsts) > n // 10, "rows accepted different lengths in the same round"
 
 
 def test_rows_held_to_the_shortest_acceptance_stay_exact():
