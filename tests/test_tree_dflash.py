@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from conftest import (
     VOCAB,
     OracleDraft,
@@ -533,6 +534,38 @@ def test_bad_min_probs_are_refused_before_compute():
         draft.spec_generate(
             target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, tree_min_prob=0.2, prompt_lookup_num_tokens=0
         )
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "Ministral3Config"), reason="Ministral 3 is in transformers 5 and newer, not 4.57"
+)
+def test_a_target_scaling_attention_by_position_ids_stays_exact_in_trees_and_batches(monkeypatch):
+    """transformers' Ministral 3 and Mistral 4 scale queries by `llama_4_scaling_beta` from `position_ids`, which trees
+    and batches set to each token's own position, so they verify trees exactly (mlx-lm's, by cache offset, does not:
+    refused in test_mlx_port.py). Every acceptance length, a tree with the lookup branch, and a left-padded batch."""
+    import conftest
+
+    monkeypatch.setitem(conftest.TARGET_CONFIGS, "ministral3", transformers.Ministral3Config)
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 4}
+    target = make_target("ministral3", initializer_range=0.2, rope_parameters={**rope, "llama_4_scaling_beta": 2.0})
+    unscaled = make_target("ministral3", initializer_range=0.2, rope_parameters={**rope, "llama_4_scaling_beta": 0.0})
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 24)
+    assert not torch.equal(expected, greedy_reference(unscaled, ids, 24)), "the scale must change the output"
+    for k in range(8):
+        draft = SecondChoiceDraft(make_draft_config()).eval().setup(target, expected, k)
+        out = draft.spec_generate(target, ids, max_new_tokens=24, tree_budget=8, prompt_lookup_num_tokens=3)
+        assert torch.equal(out, expected), k
+    batch = make_draft().spec_generate(
+        target,
+        torch.tensor([[0, 0, 9], [5, 6, 7]]),
+        attention_mask=torch.tensor([[0, 0, 1], [1, 1, 1]]),
+        max_new_tokens=12,
+        stop_token_ids=None,
+    )
+    assert torch.equal(batch[1], expected[0, :15]) and torch.equal(
+        batch[0, 2:], greedy_reference(target, torch.tensor([[9]]), 12)[0]
+    )
 
 
 def test_a_target_scaling_attention_by_cache_slot_is_refused_for_trees_and_batches():
