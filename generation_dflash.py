@@ -90,6 +90,8 @@ def decoder_layers(target) -> torch.nn.ModuleList:
 
 def check_draft_fits_target(draft, target) -> None:
     """Raises a ValueError naming the first mismatch between the draft's config and the target."""
+    if target is None or not callable(getattr(target, "get_input_embeddings", None)):
+        raise ValueError(f"target must be a transformers causal LM, got {type(target).__name__}")
     num_layers = len(decoder_layers(target))
     check_target_supported(target)
     vocab_size, hidden_size = target.get_output_embeddings().weight.shape
