@@ -172,12 +172,15 @@ def plot(result: dict, path) -> None:
 
 def run(args, argv: list[str], target, tokenizer, draft, stops: list[int]) -> int:
     """Measures, writes results.json, summary.txt and throughput.png to `args.out`; 1 when a float32 row differs."""
+    from bench.run import environment  # bench.run imports this module when it runs a batch
+
     result = measure(target, tokenizer, draft, args, stops)
     wrong = sum(r["rows_differing_from_plain"] + r["rows_differing_from_one_at_a_time"] for r in result["rows"])
     result.update(
         tool="bench --batch-size",
         command=["python", "-m", "bench", *argv],
         dtype=args.dtype,
+        environment=environment(),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         exit_status=int(args.dtype == "float32" and wrong > 0),
     )

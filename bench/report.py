@@ -168,6 +168,63 @@ def table(rows: list[dict]) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [header, *lines])
 
 
+def caption(result: dict) -> str:
+    """What a docs table was measured with: the command, the dtype, the CPU and threads, the versions."""
+    env = result["environment"]
+    dtype = result.get("dtype") or result["config"]["dtype"]
+    return (
+        f"`{' '.join(result['command'])}`: {dtype}, {env['cpu']}, {env['torch_threads']} torch thread(s), "
+        f"torch {env['torch']}, transformers {env['transformers']}"
+    )
+
+
+def markdown(result: dict) -> str:
+    """The docs' table of a result file: one row per dataset and method (`bench`), or per batch size
+    (`bench --batch-size`)."""
+    if result.get("tool") == "bench --batch-size":
+        return batch_markdown(result)
+    lines = [
+        "| dataset | method | tok/s | vs plain | tokens per target pass | outputs differing from plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["summary"]:
+        method = r["method"] if r["block_size"] is None else f"{r['method']} (block {r['block_size']})"
+        lines.append(
+            f"| {r['dataset']} | {method} | {fmt(r['tokens_per_second'], '.2f')} | {fmt(r['speedup'], '.2f')}x | "
+            f"{fmt(r['mean_acceptance_length'], '.2f')} | {differ(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def batch_markdown(result: dict) -> str:
+    lines = [
+        "| batch | DFlash tok/s | plain batched tok/s | DFlash vs plain | vs one prompt at a time | rows differing "
+        "from plain / one at a time |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        alone, dflash = r["one_at_a_time_tokens_per_second"], r["dflash_tokens_per_second"]
+        lines.append(
+            f"| {r['batch_size']} | {dflash:.2f} | {r['plain_tokens_per_second']:.2f} | "
+            f"{dflash / r['plain_tokens_per_second']:.2f}x | {dflash / alone:.2f}x | "
+            f"{r['rows_differing_from_plain']} / {r['rows_differing_from_one_at_a_time']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.report FILE.json ...`: each file's docs table, under the command that measured it."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__.split(": ")[1])
+    parser.add_argument("files", nargs="+", help="results.json files written by `python -m bench`")
+    for path in parser.parse_args(argv).files:
+        result = json.loads(open(path, encoding="utf-8").read())
+        print(f"{caption(result)}\n\n{markdown(result)}\n")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Plots
 
@@ -235,3 +292,7 @@ def plot_speedup(rows: list[dict], path) -> None:
         ax.legend(fontsize="small")
     save_figure(fig, path)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,5 @@
 """Tiny random targets and drafts, built in code (no Hub), shared by every test."""
 
-import re
 import sys
 from pathlib import Path
 
@@ -243,8 +242,3 @@ def target():
 @pytest.fixture
 def draft():
     return make_draft()
-
-
-def readme_python_blocks() -> list[str]:
-    """The README's Python code blocks, in order, to run as written."""
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 import transformers
-from conftest import ROOT, readme_python_blocks
+from conftest import ROOT
 from transformers import AutoModel, GenerationConfig, TextIteratorStreamer
 
 pytestmark = pytest.mark.slow
@@ -585,22 +585,6 @@ def test_bench_assisted_method_matches_plain(tmp_path):
         row = rows[(dataset, "assisted")]
         assert row["samples"] == 1 and row["mismatches"] == 0 and row["output_tokens"] > 0, row
         assert sum(row["acceptance_histogram"]) >= 2, row  # the draft proposed in at least two verify steps
-
-
-def test_readme_python_snippets_run_as_written(models, monkeypatch, capsys):
-    """The README's torch snippets, executed in order from the repo root (the MLX one runs in test_mlx_port.py);
-    transformers 4.x lacks `speculation_type`, so that one line is left out there."""
-    blocks = [b for b in readme_python_blocks() if "mlx_port" not in b]
-    assert len(blocks) == 2
-    monkeypatch.chdir(ROOT)
-    namespace: dict = {}
-    for block in blocks:
-        lines = [line for line in block.splitlines() if HAS_BUILTIN or "speculation_type" not in line]
-        exec(compile("\n".join(lines), "README.md", "exec"), namespace)
-    stats = namespace["stats"]
-    assert stats.num_output_tokens > 0 and len(stats.acceptance_lengths) > 0
-    printed = capsys.readouterr().out
-    assert printed.strip() and "<|im_end|>" not in printed, "the streamed greedy answer ends at the EOS, unprinted"
 
 
 @pytest.fixture(scope="module")
