@@ -1077,6 +1077,17 @@ def test_mlx_draft_reads_rope_base_from_transformers5_config(tmp_path):
     assert load_draft(str(tmp_path / "draft")).args.rope_theta == 12345.0
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temp", "-1"], "temperature must be at least 0, got -1.0"),
+        (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["--min-p", "2"], "--min-p must be in [0, 1], got 2.0"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+        (["--model", "/no/such/target"], "--model /no/such/target: no such folder"),
+        (["--draft-model", "/no/such/draft"], "--draft-model /no/such/draft: no such folder"),
+    ],
+)
 def test_cli_generate_refuses_bad_settings_in_one_line_before_loading(argv, message, monkeypatch, capsys):
     generation, loads = importlib.import_module("mlx_port.generate"), []
     monkeypatch.setattr("mlx_port.utils.load", lambda *args, **kwargs: loads.append(args))
