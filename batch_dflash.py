@@ -30,15 +30,16 @@ try:
         LayerFeatures,
         OutputEnd,
         SpecGenerateOutput,
-        chain_proposal,
+        TreePlan,
         check_context,
         check_generation_inputs,
         draft_embedding,
         pick_tokens,
         sampling_warpers,
         stop_ids,
+        tree_plan,
     )
-    from .tree_dflash import DraftTree, check_tree_supported
+    from .tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
     from generation_dflash import (
@@ -46,15 +47,16 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         LayerFeatures,
         OutputEnd,
         SpecGenerateOutput,
-        chain_proposal,
+        TreePlan,
         check_context,
         check_generation_inputs,
         draft_embedding,
         pick_tokens,
         sampling_warpers,
         stop_ids,
+        tree_plan,
     )
-    from tree_dflash import DraftTree, check_tree_supported
+    from tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
 
 
 def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -78,9 +80,6 @@ def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
 def refuse_batch_options(draft, target, final_length: int, **options) -> None:
     """Names the first option a batch cannot take, with the reason, before any compute."""
     reasons = {
-        "tree_budget": "a batch verifies each row's chain (trees need one tree mask per row)",
-        "tree_min_prob": "it sizes a draft tree, and a batch verifies chains",
-        "prompt_lookup_num_tokens": "a lookup branch makes a round a tree, and a batch verifies chains",
         "streamer": "a streamer takes one sequence, as transformers refuses it with batches",
         "block_size_schedule": "the adaptive schedule sizes one row's block",
         "cache_implementation": "a batch's ragged cache is dynamic",
@@ -133,7 +132,8 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size: int) -> torch.Tensor:
-    """Each row's `[b, block_size - 1]` drafted tokens (the draft's argmax), reading the rows' new context."""
+    """Each row's `[b, block_size - 1, vocab']` draft logits over the draft's vocabulary (`head.vocab`), reading the
+    rows' new context."""
     b = rows.ids.shape[0]
     block = torch.full((b, block_size), draft.config.mask_token_id, dtype=torch.long, device=rows.last.device)
     block[:, :1] = rows.last
@@ -148,29 +148,48 @@ def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size:
     ).last_hidden_state[:, 1:]
     drop_last(cache, block_size)  # the cache keeps committed context only
     rows.draft_keys = torch.cat([rows.draft_keys, rows.context_keys], dim=1)
-    return chain_proposal(draft, head.scores(hidden), hidden, rows.last, None, vocab=head.vocab)
+    return head.scores(hidden)
 
 
-def verify_blocks(target, cache, rows: Rows, drafted: torch.Tensor) -> torch.Tensor:
-    """The target's `[b, block, vocab]` logits after `[last, drafted]`, every row at its own positions and seeing
-    only its own cache entries."""
-    ids = torch.cat([rows.last, drafted], dim=1)
-    n = ids.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-    visible = torch.cat([rows.target_keys[:, None].expand(-1, n, -1), causal.expand(ids.shape[0], -1, -1)], dim=2)
+def row_trees(logits, head, plan: TreePlan, warpers, histories: list[list[int]]) -> list[DraftTree]:
+    """Each row's round: its argmax chain, or its best-first tree plus its lookup branch (`histories`: each row's
+    prompt and output, which the lookup searches)."""
+    if plan.is_chain:
+        best = logits.max(dim=-1).indices
+        return [DraftTree.chain(row) for row in (best if head.vocab is None else head.vocab[best]).tolist()]
+    trees = []
+    for row_logits, history in zip(logits, histories):
+        tree = propose(row_logits[None], plan.budget, warpers, head.vocab, plan.min_prob)
+        if plan.lookup:
+            tree = tree.with_branch(prompt_lookup(history, plan.lookup, plan.max_ngram))
+        trees.append(tree)
+    return trees
+
+
+def verify_trees(target, cache, rows: Rows, trees: list[DraftTree]) -> torch.Tensor:
+    """The target's `[b, n, vocab]` logits after each row's `[last, tree nodes]`, packed to the largest tree: every
+    node at its row's position plus its depth, seeing its row's cache entries and its ancestors; a padding slot sees
+    only itself, and nothing sees it."""
+    n, device = max(len(tree.tokens) for tree in trees) + 1, rows.last.device
+    last = rows.last[:, 0].tolist()
+    ids, depths, visible = [], [], torch.zeros(len(trees), n, n, dtype=torch.bool)
+    for row, tree in enumerate(trees):
+        pad = n - len(tree.tokens) - 1
+        ids.append([last[row]] + tree.tokens + [last[row]] * pad)
+        depths.append([0] + tree.depths + [0] * pad)
+        size = len(tree.tokens) + 1
+        visible[row, :size, :size] = torch.tensor(tree.ancestor_rows(), dtype=torch.bool)
+        visible[row, range(size, n), range(size, n)] = True
+    ids = torch.tensor(ids, device=device)
+    visible = torch.cat([rows.target_keys[:, None].expand(-1, n, -1), visible.to(device)], dim=2)
     out = target(
         input_ids=ids,
-        position_ids=rows.position[:, None] + torch.arange(n, device=ids.device),
+        position_ids=rows.position[:, None] + torch.tensor(depths, device=device),
         attention_mask=additive_mask(visible, target.dtype),
         use_cache=True,
         **{cache_kwarg(target): cache},
     )
     return out.logits
-
-
-def accepted_lengths(drafted: list[list[int]], chosen: list[list[int]]) -> list[int]:
-    """Per row, how many leading drafted tokens equal the target's choice at the position before."""
-    return [len(DraftTree.chain(ds).accept(cs)) - 1 for ds, cs in zip(drafted, chosen)]
 
 
 # warpers that never read the input ids: one call covers every row and position
@@ -186,22 +205,29 @@ class RowPicker:
         self.processors, self.prompts, self.sample, self.generator = processors, prompts, sample, generator
         self.per_row = any(not isinstance(p, PREFIX_FREE) for row in processors for p in row)
 
-    def __call__(self, logits: torch.Tensor, rows: list[int], outputs: list[list[int]], drafted: torch.Tensor):
-        """`[b, n]` tokens from `[b, n, vocab]` logits that follow each row's output and `drafted` `[b, n - 1]`."""
+    def __call__(self, logits: torch.Tensor, rows: list[int], outputs: list[list[int]], trees: list[DraftTree]):
+        """`[b, n]` tokens from `[b, n, vocab]` logits: at each row's node, the choice that follows the row's output
+        and the node's path (`trees`; none at the prefill)."""
         if not self.per_row:  # every row has the same warpers (or none)
             return pick_tokens(logits, self.processors[0] if self.sample else LogitsProcessorList(), self.generator)
-        scores = torch.stack([self.row_scores(lg, row, outputs[row], ds) for lg, row, ds in zip(logits, rows, drafted)])
+        trees = trees or [DraftTree.chain([])] * len(rows)
+        scores = torch.stack([self.row_scores(lg, row, outputs[row], t) for lg, row, t in zip(logits, rows, trees)])
         if not self.sample:
             return scores.max(dim=-1).indices
         probs = torch.softmax(scores.flatten(0, 1), dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator).view(scores.shape[:2])
 
-    def row_scores(self, logits: torch.Tensor, row: int, output: list[int], drafted: torch.Tensor) -> torch.Tensor:
-        prefix = torch.cat([self.prompts[row], torch.tensor(output, dtype=torch.long, device=logits.device), drafted])
-        base = prefix.shape[0] - drafted.shape[0]
-        return torch.cat(
-            [self.processors[row](prefix[None, : base + j], logits[j : j + 1].float()) for j in range(logits.shape[0])]
-        )
+    def row_scores(self, logits: torch.Tensor, row: int, output: list[int], tree: DraftTree) -> torch.Tensor:
+        """The row's processed scores at each node (raw logits at the padding slots after its tree)."""
+        prefix = torch.cat([self.prompts[row], torch.tensor(output, dtype=torch.long, device=logits.device)])
+        scores = [
+            self.processors[row](
+                torch.cat([prefix, torch.tensor(tree.path_tokens(node), dtype=torch.long, device=logits.device)])[None],
+                logits[node : node + 1].float(),
+            )
+            for node in range(len(tree.tokens) + 1)
+        ]
+        return torch.cat(scores + [logits[len(scores) :].float()])
 
 
 class CriteriaEnd(OutputEnd):
@@ -225,20 +251,34 @@ class CriteriaEnd(OutputEnd):
         return length
 
 
-def commit(rows: Rows, cache: DynamicCache, features: torch.Tensor, accepted: list[int], chosen: torch.Tensor) -> None:
-    """Moves every row past its accepted prefix and bonus token: its rejected keys become holes, the keys no row
-    kept are cropped, and the kept tokens' features become the draft's next context."""
+def commit(rows: Rows, cache: DynamicCache, features: torch.Tensor, paths: list[list[int]], chosen: torch.Tensor):
+    """Moves every row past its accepted path and bonus token: the path's keys and features move to the round's
+    first slots, the slots after the longest path are cropped, and a shorter path leaves holes its row's mask hides
+    from then on."""
     n, device = chosen.shape[1], chosen.device
-    kept = torch.tensor(accepted, device=device)
-    offsets = torch.arange(n, device=device)
-    rows.target_keys = torch.cat([rows.target_keys, offsets[None] <= kept[:, None]], dim=1)
-    width = max(accepted) + 1
+    width = max(map(len, paths))
+    index = torch.tensor([path + path[-1:] * (width - len(path)) for path in paths], device=device)
+    if any(path != list(range(len(path))) for path in paths):  # a chain prefix is in place already
+        gather_round_slots(cache, n, index)
     drop_last(cache, n - width)
-    rows.target_keys = rows.target_keys[:, : rows.target_keys.shape[1] - (n - width)]
-    rows.context, rows.context_keys = features[:, :width], offsets[None, :width] <= kept[:, None]
-    rows.context_positions = rows.position[:, None] + offsets[:width]
-    rows.last = chosen.gather(1, kept[:, None])
-    rows.position = rows.position + kept + 1
+    lengths = torch.tensor([len(path) for path in paths], device=device)
+    kept = torch.arange(width, device=device)[None] < lengths[:, None]
+    rows.target_keys = torch.cat([rows.target_keys, kept], dim=1)
+    rows.context = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
+    rows.context_keys, rows.context_positions = kept, rows.position[:, None] + torch.arange(width, device=device)
+    rows.last = chosen.gather(1, index.gather(1, lengths[:, None] - 1))
+    rows.position = rows.position + lengths
+
+
+def gather_round_slots(cache: DynamicCache, n: int, index: torch.Tensor) -> None:
+    """Writes, per row, the keys and values of the last round's slots `index` (`[b, width]`) into its first slots."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:
+            continue
+        first = layer.keys.shape[-2] - n
+        for tensor in (layer.keys, layer.values):
+            at = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
+            tensor[..., first : first + index.shape[1], :] = tensor[..., first:, :].gather(2, at)
 
 
 @torch.inference_mode()
@@ -260,6 +300,7 @@ def batched_spec_generate(
     align_rows: bool = False,
     row_processors: list[LogitsProcessorList] | None = None,
     stopping_criteria: StoppingCriteriaList | None = None,
+    plan: TreePlan | None = None,
     **options,
 ):
     """`spec_generate` for a batch of left-padded prompts (`input_ids` `[b, prompt_len]` and their `attention_mask`):
@@ -269,9 +310,13 @@ def batched_spec_generate(
     `align_rows` keeps every row to the batch's shortest acceptance each round, so the cache has no holes: the simple
     alternative, measured by `python -m bench --batch-size`. `row_processors` (one `LogitsProcessorList` per row,
     then in place of the temperature, top-k and top-p warpers; `temperature > 0` still means sampling) and
-    `stopping_criteria` apply per row, as plain batched `generate` applies them: `target.generate` passes the call's."""
-    refuse_batch_options(self, target, input_ids.shape[1] + max_new_tokens + block_size, **options)
+    `stopping_criteria` apply per row, as plain batched `generate` applies them: `target.generate` passes the call's.
+    `plan` says how rows propose (default: the chain); each row verifies its own tree, packed with the others'."""
+    plan = plan or TreePlan(final_length=input_ids.shape[1] + max_new_tokens + block_size)
+    refuse_batch_options(self, target, plan.final_length, **options)
     real = left_padding_mask(input_ids, attention_mask)
+    prompt_tokens = [ids[keep].tolist() for ids, keep in zip(input_ids, real)] if plan.lookup else []
+    warpers = None if row_processors else sampling_warpers(temperature, top_k, top_p)
     stops = stop_ids(target, stop_token_ids)
     pad = pad_token_id if pad_token_id is not None else pad_id(target, stops)
     processors = row_processors or [sampling_warpers(temperature, top_k, top_p)] * input_ids.shape[0]
@@ -298,7 +343,7 @@ def batched_spec_generate(
             logits_to_keep=1,
             **{cache_kwarg(target): target_cache},
         )
-        last = pick(out.logits[:, -1:], list(range(batch)), outputs, input_ids[:, :0])
+        last = pick(out.logits[:, -1:], list(range(batch)), outputs, [])
         rows = Rows(
             ids=torch.arange(batch, device=input_ids.device),
             position=real.sum(dim=1),
@@ -313,16 +358,19 @@ def batched_spec_generate(
             outputs[row].append(token)
         rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
         while rows.ids.numel():
-            drafted = draft_block(self, embed, head, rows, draft_cache, block_size)
-            chosen = pick(verify_blocks(target, target_cache, rows, drafted), rows.ids.tolist(), outputs, drafted)
-            drafted_list, chosen_list = drafted.tolist(), chosen.tolist()  # the round's device-to-host transfer
-            accepted = accepted_lengths(drafted_list, chosen_list)
-            if align_rows:  # the target's choice after the shortest prefix is every row's own next token
-                accepted = [min(accepted)] * len(accepted)
-            for row, k, ds, cs in zip(rows.ids.tolist(), accepted, drafted_list, chosen_list):
-                outputs[row] += ds[:k] + [cs[k]]
-                taus[row].append(k + 1)
-            commit(rows, target_cache, features.pop(), accepted, chosen)
+            logits = draft_block(self, embed, head, rows, draft_cache, block_size)
+            histories = [prompt_tokens[row] + outputs[row] for row in rows.ids.tolist()] if plan.lookup else []
+            trees = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids))
+            verified = verify_trees(target, target_cache, rows, trees)
+            chosen = pick(verified, rows.ids.tolist(), outputs, trees)
+            chosen_ids = chosen.tolist()  # the round's device-to-host transfer
+            paths = [tree.accept(cs) for tree, cs in zip(trees, chosen_ids)]
+            if align_rows:  # the target's choice after the shortest path is every row's own next token
+                paths = [path[: min(map(len, paths))] for path in paths]
+            for row, tree, cs, path in zip(rows.ids.tolist(), trees, chosen_ids, paths):
+                outputs[row] += [tree.node_token(node) for node in path[1:]] + [cs[path[-1]]]
+                taus[row].append(len(path))
+            commit(rows, target_cache, features.pop(), paths, chosen)
             rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
 
     new = [tokens[: end.update(tokens)] for tokens, end in zip(outputs, ends)]
@@ -458,6 +506,7 @@ def generate_batch(target, draft, call: dict, block_size: int):
     check_context(target, ids, max_new_tokens)
     config.max_length = ids.shape[1] + max_new_tokens  # what generate's processors and criteria count against
     processors, criteria = processors_and_criteria(target, call, config, ids)
+    plan = tree_plan(draft, target, ids.shape[1], max_new_tokens, block_size, "constant", None, 0.0, None, 2)
     sequences = draft._batched_spec_generate(
         target,
         ids,
@@ -473,5 +522,6 @@ def generate_batch(target, draft, call: dict, block_size: int):
         pad_token_id=config.pad_token_id,
         row_processors=processors,
         stopping_criteria=criteria,
+        plan=plan,
     )
     return GenerateDecoderOnlyOutput(sequences=sequences) if config.return_dict_in_generate else sequences

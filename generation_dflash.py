@@ -361,6 +361,55 @@ def check_tree_request(
         raise ValueError(f"{name}={tree_budget} is verified as a draft tree: {reason}") from None
 
 
+@dataclass
+class TreePlan:
+    """How a call's rounds propose: the argmax chain (`budget` None, no lookup), or a best-first draft tree of at most
+    `budget` nodes whose path probability is at least `min_prob`, plus a prompt-lookup branch of up to `lookup`
+    tokens; `final_length` is the longest the target's sequence can grow."""
+
+    budget: int | None = None
+    min_prob: float = 0.0
+    lookup: int = 0
+    max_ngram: int = 2
+    final_length: int = 0
+
+    @property
+    def is_chain(self) -> bool:
+        return self.budget is None and not self.lookup
+
+
+def tree_plan(
+    draft,
+    target,
+    prompt_len: int,
+    max_new_tokens: int,
+    block_size: int,
+    schedule: str,
+    tree_budget: int | None,
+    tree_min_prob: float,
+    lookup: int | None,
+    max_ngram: int,
+    compile_verify: bool = False,
+) -> TreePlan:
+    """A call's tree settings, the draft config's defaults filled in (each stepping aside, with a warning, where the
+    target cannot verify it), checked before any compute."""
+    length = functools.partial(verified_length, prompt_len, max_new_tokens, block_size)
+    if tree_budget is None:
+        tree_budget = default_tree_budget(draft, target, schedule, length)
+    tree_budget = tree_budget or None
+    if lookup is None and not compile_verify:  # a compiled verify wants one tree size
+        lookup = default_tree_budget(
+            draft, target, schedule, lambda n: length((tree_budget or block_size - 1) + n), "prompt_lookup_num_tokens"
+        )
+    lookup = check_lookup_request(lookup, max_ngram)
+    final_length = length((tree_budget or block_size - 1) + lookup if lookup else tree_budget)
+    check_min_prob(tree_min_prob, tree_budget)
+    check_tree_request(draft, target, tree_budget, schedule, final_length)
+    if lookup:  # a lookup branch makes every round a tree
+        check_tree_request(draft, target, lookup, schedule, final_length, "prompt_lookup_num_tokens")
+    return TreePlan(tree_budget, tree_min_prob, lookup, max_ngram, final_length)
+
+
 def refuse_generate(self, *args, **kwargs):
     """Reached only when transformers bypassed DFlash routing and treated the draft as an ordinary assistant."""
     raise RuntimeError(
@@ -677,6 +726,20 @@ def spec_generate(
     check_sampling(temperature, top_p, top_k)
     check_schedule(block_size_schedule)
     warn_generation_config_not_applied(target)
+    schedule = block_size_schedule
+    plan = tree_plan(
+        self,
+        target,
+        input_ids.shape[1],
+        max_new_tokens,
+        block_size,
+        schedule,
+        tree_budget,
+        tree_min_prob,
+        prompt_lookup_num_tokens,
+        max_matching_ngram_size,
+        compile_verify,
+    )
     if input_ids.shape[0] > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())):
         return self._batched_spec_generate(
             target,
@@ -691,33 +754,14 @@ def spec_generate(
             return_stats=return_stats,
             generator=generator,
             pad_token_id=pad_token_id,
+            plan=plan,
             streamer=streamer,
-            block_size_schedule=None if block_size_schedule == "constant" else block_size_schedule,
-            tree_budget=tree_budget,
-            tree_min_prob=tree_min_prob,
-            prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+            block_size_schedule=None if schedule == "constant" else schedule,
             cache_implementation=cache_implementation,
             past_key_values=past_key_values,
             compile_verify=compile_verify,
         )
-    length = functools.partial(verified_length, input_ids.shape[1], max_new_tokens, block_size)
-    if tree_budget is None:
-        tree_budget = default_tree_budget(self, target, block_size_schedule, length)
-    tree_budget = tree_budget or None
-    if prompt_lookup_num_tokens is None and not compile_verify:  # a compiled verify wants one tree size
-        prompt_lookup_num_tokens = default_tree_budget(
-            self,
-            target,
-            block_size_schedule,
-            lambda n: length((tree_budget or block_size - 1) + n),
-            "prompt_lookup_num_tokens",
-        )
-    lookup = check_lookup_request(prompt_lookup_num_tokens, max_matching_ngram_size)
-    final_length = length((tree_budget or block_size - 1) + lookup if lookup else tree_budget)
-    check_min_prob(tree_min_prob, tree_budget)
-    check_tree_request(self, target, tree_budget, block_size_schedule, final_length)
-    if lookup:  # a lookup branch makes every round a tree
-        check_tree_request(self, target, lookup, block_size_schedule, final_length, "prompt_lookup_num_tokens")
+    tree_budget, lookup, tree_min_prob, final_length = plan.budget, plan.lookup, plan.min_prob, plan.final_length
     cache_implementation = check_compile_request(
         compile_verify, cache_implementation, past_key_values, block_size_schedule, lookup, tree_min_prob
     )

@@ -34,6 +34,14 @@ class DraftTree:
         """The token node `node >= 1` holds (node 0, the root, is the last committed token, held elsewhere)."""
         return self.tokens[node - 1]
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from below the root down to `node`, in order (none for the root)."""
+        tokens = []
+        while node:
+            tokens.append(self.tokens[node - 1])
+            node = self.parents[node - 1]
+        return tokens[::-1]
+
     def with_branch(self, branch: list[int]) -> "DraftTree":
         """This tree plus `branch` (tokens below the root) as one more path; a prefix it shares with the tree reuses
         the tree's nodes, and new nodes come after the old ones, parents first."""

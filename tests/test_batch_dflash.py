@@ -420,3 +420,119 @@ def test_generate_returns_a_batch_as_the_output_object_it_asked_for():
     )
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
     assert torch.equal(out.sequences, plain)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trees and the prompt-lookup branch, per row in a batch.
+
+REPEATING = [[5, 6, 7, 5, 6, 7, 5, 6], [9], [20, 21, 22, 23, 20, 21, 22, 23, 20, 21, 22, 23, 20]]
+
+
+@pytest.fixture
+def gathered(monkeypatch):
+    """Counts the rounds whose accepted paths were moved within the cache (a path that is no chain prefix)."""
+    import batch_dflash
+
+    calls, original = [], batch_dflash.gather_round_slots
+    monkeypatch.setattr(batch_dflash, "gather_round_slots", lambda *args: calls.append(1) or original(*args))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("trees", [dict(tree_budget=12), dict(tree_budget=6, prompt_lookup_num_tokens=4)])
+def test_every_row_verifies_its_own_tree_and_equals_its_prompt_decoded_alone(arch, trees, gathered):
+    """fp32, tiny random models: each row's tree (and lookup branch) in one packed verify; rows whose paths leave the
+    first-choice chain have their path moved in the cache, and every row equals its prompt's plain greedy output."""
+    target, draft = make_target(arch), make_draft()
+    ids, mask = left_pad(REPEATING)
+    out = draft.spec_generate(
+        target, ids, attention_mask=mask, max_new_tokens=40, stop_token_ids=None, return_stats=True, **trees
+    )
+    assert new_tokens(out.output_ids, ids.shape[1], [40] * 3) == expected_rows(target, REPEATING, 40)
+    assert gathered, "no row accepted a path off the first-choice chain, so the gather went untested"
+    assert max(n for row in out.acceptance_lengths for n in row) > 1, "no drafted token was accepted"
+
+
+def test_a_batchs_trees_size_by_each_rows_confidence_and_keep_exact():
+    """`tree_min_prob` per row: rows whose draft is unsure verify fewer nodes; output stays exact."""
+    target, draft = make_target("qwen3"), make_draft()
+    sizes = []
+    target.register_forward_pre_hook(
+        lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    ids, mask = left_pad(REPEATING)
+    out = draft.spec_generate(
+        target, ids, attention_mask=mask, max_new_tokens=30, stop_token_ids=None, tree_budget=20, tree_min_prob=0.02
+    )
+    assert new_tokens(out, ids.shape[1], [30] * 3) == expected_rows(target, REPEATING, 30)
+    assert len(set(sizes[1:])) > 1 and max(sizes[1:]) < 21, f"verify widths {sizes[1:]}"
+
+
+def test_rows_accept_different_paths_through_their_trees_at_every_k(row_ids_to_oracle, gathered):
+    """The oracle is right for k tokens per row (every k, different per row) inside a tree of second choices:
+    each row's acceptance is its own k + 1 and output equals each prompt's plain greedy decoding."""
+    target, block_size, max_new = make_target("qwen3"), 6, 30
+    references = [p + e for p, e in zip(PROMPTS, expected_rows(target, PROMPTS, max_new + block_size))]
+    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
+    ids, mask = left_pad(PROMPTS)
+    out = draft.spec_generate(
+        target,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        block_size=block_size,
+        stop_token_ids=None,
+        return_stats=True,
+        tree_budget=10,
+    )
+    assert new_tokens(out.output_ids, ids.shape[1], [max_new] * 3) == expected_rows(target, PROMPTS, max_new)
+    for row in range(3):
+        rounds = [ks[row] for ks in draft.ks if row in ks]
+        assert set(rounds) == set(range(block_size)), f"row {row} saw k {set(rounds)}"
+        assert max(out.acceptance_lengths[row]) == block_size
+
+
+def test_each_row_keeps_its_own_sampling_distribution_through_its_tree():
+    """Chi-square, per row, of two sampled tokens verified through a tree and a lookup branch (fails at p < 1e-4)."""
+    target = make_target("llama", initializer_range=0.5)
+    draft = make_draft()
+    n, prompts = 1500, [[5, 6, 5, 6, 5], [9]]
+    ids, mask = left_pad(prompts)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(1.0)])
+    exact = [exact_two_token_distribution(target, torch.tensor([p]), processors) for p in prompts]
+    counts = torch.zeros(2, VOCAB * VOCAB)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        out = draft.spec_generate(
+            target,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=2,
+            temperature=1.0,
+            block_size=4,
+            generator=g,
+            stop_token_ids=None,
+            tree_budget=8,
+            prompt_lookup_num_tokens=2,
+        )
+        for row, (t1, t2) in enumerate(out[:, -2:].tolist()):
+            counts[row, t1 * VOCAB + t2] += 1
+    for row in range(2):
+        p_value, chi2, dof = chi_square_p_value(counts[row], exact[row])
+        assert p_value > 1e-4, f"row {row}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_generate_applies_each_rows_processors_at_every_tree_node(name, gathered):
+    """The draft config's tree and lookup branch through batched `target.generate`: a processor that reads input ids
+    gets, at each node, the row's output and that node's own path, so output equals plain batched `generate`."""
+    target, max_new = make_target("qwen3"), 24
+    ids, mask = left_pad(REPEATING)
+    width, common = ids.shape[1], dict(attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
+    free = target.generate(ids, **common)[:, width:].tolist()
+    settings = processing_settings(name, free)
+    plain = target.generate(ids, **common, **settings)
+    draft = make_draft()
+    draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = 10, 4
+    assert torch.equal(target.generate(ids, assistant_model=draft, **common, **settings), plain)
+    assert gathered, "no row accepted a path off its first-choice chain"

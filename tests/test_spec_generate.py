@@ -171,11 +171,8 @@ def test_mismatched_draft_is_refused(change, message):
             "0 \\(padding\\)",
         ),
         ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.ones(2, 3)}, "attention_mask has shape"),
-        (
-            {"input_ids": torch.tensor([[5, 6], [7, 8]]), "tree_budget": 4},
-            "tree_budget=4 is not supported with a batch",
-        ),
-        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_lookup_num_tokens": 3}, "not supported with a batch"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "tree_min_prob": 0.1}, "tree_min_prob sizes a draft tree"),
+        ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_lookup_num_tokens": -1}, "at least 0"),
         ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "block_size_schedule": "heuristic"}, "block_size_schedule"),
         ({"input_ids": torch.tensor([[5, 6], [7, 8]]), "compile_verify": True}, "compile_verify"),
         ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "prompt is empty"),
