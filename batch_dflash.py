@@ -151,18 +151,17 @@ def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size:
     return head.scores(hidden)
 
 
-def row_trees(logits, head, plan: TreePlan, warpers, histories: list[list[int]]) -> list[DraftTree]:
-    """Each row's round: its argmax chain, or its best-first tree plus its lookup branch (`histories`: each row's
-    prompt and output, which the lookup searches)."""
+def row_trees(logits, head, plan: TreePlan, warpers, histories: list[list[int]], sizer=None) -> list[DraftTree]:
+    """Each row's round: its argmax chain, or its best-first tree (cut to the width that pays, with a `sizer`) plus
+    its lookup branch (`histories`: each row's prompt and output, which the lookup searches)."""
     if plan.is_chain:
         best = logits.max(dim=-1).indices
         return [DraftTree.chain(row) for row in (best if head.vocab is None else head.vocab[best]).tolist()]
-    trees = []
-    for row_logits, history in zip(logits, histories):
-        tree = propose(row_logits[None], plan.budget, warpers, head.vocab, plan.min_prob)
-        if plan.lookup:
-            tree = tree.with_branch(prompt_lookup(history, plan.lookup, plan.max_ngram))
-        trees.append(tree)
+    trees = [propose(row_logits[None], plan.budget, warpers, head.vocab, plan.min_prob) for row_logits in logits]
+    if sizer:
+        trees, sizer.estimates = sizer.cut(trees)
+    if plan.lookup:
+        trees = [tree.with_branch(prompt_lookup(h, plan.lookup, plan.max_ngram)) for tree, h in zip(trees, histories)]
     return trees
 
 
@@ -357,16 +356,24 @@ def batched_spec_generate(
         for row, token in enumerate(last[:, 0].tolist()):
             outputs[row].append(token)
         rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
+        sizer, expected = plan.sizer(target, batch), [[] for _ in range(batch)]
         while rows.ids.numel():
+            if sizer:
+                sizer.start_draft()
             logits = draft_block(self, embed, head, rows, draft_cache, block_size)
             histories = [prompt_tokens[row] + outputs[row] for row in rows.ids.tolist()] if plan.lookup else []
-            trees = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids))
+            trees = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids), sizer)
+            if sizer:
+                for row, estimate in zip(rows.ids.tolist(), sizer.estimates):
+                    expected[row].append(estimate)
             verified = verify_trees(target, target_cache, rows, trees)
             chosen = pick(verified, rows.ids.tolist(), outputs, trees)
             chosen_ids = chosen.tolist()  # the round's device-to-host transfer
             paths = [tree.accept(cs) for tree, cs in zip(trees, chosen_ids)]
             if align_rows:  # the target's choice after the shortest path is every row's own next token
                 paths = [path[: min(map(len, paths))] for path in paths]
+            if sizer:
+                sizer.accepted(paths)
             for row, tree, cs, path in zip(rows.ids.tolist(), trees, chosen_ids, paths):
                 outputs[row] += [tree.node_token(node) for node in path[1:]] + [cs[path[-1]]]
                 taus[row].append(len(path))
@@ -379,7 +386,7 @@ def batched_spec_generate(
     output_ids = torch.cat([input_ids, padded], dim=1)
     if not return_stats:
         return output_ids
-    return SpecGenerateOutput(output_ids, taus, prompt_len, width)
+    return SpecGenerateOutput(output_ids, taus, prompt_len, width, expected)
 
 
 def drop_finished(rows: Rows, ends: list[OutputEnd], outputs, target_cache, draft_cache) -> Rows:

@@ -182,6 +182,17 @@ class DFlashConfig(Qwen3Config):
         self.dflash_config = dflash if value is None else {**dflash, "tree_budget": int(value)}
 
     @property
+    def tree_sizing(self) -> str | None:
+        """How `spec_generate` sizes each round's tree by default: "cost" (the nodes that pay for their verify on this
+        machine, at most `tree_budget`) or "fixed" (`tree_budget` nodes; also when unset). In `dflash_config`."""
+        return self.dflash_config.get("tree_sizing")
+
+    @tree_sizing.setter
+    def tree_sizing(self, value: str | None) -> None:
+        dflash = {k: v for k, v in self.dflash_config.items() if k != "tree_sizing"}
+        self.dflash_config = dflash if value is None else {**dflash, "tree_sizing": value}
+
+    @property
     def prompt_lookup_num_tokens(self) -> int | None:
         """Tokens of a prompt-lookup continuation `spec_generate` adds to every round's draft tree by default; None:
         no lookup branch. In `dflash_config`, which the serving engines ignore."""

@@ -11,6 +11,7 @@ given a prefix of target samples, so the output has exactly the target's distrib
 import functools
 import os
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -34,7 +35,16 @@ try:
         target_cache_for,
     )
     from .configuration_dflash import check_fits_target, check_sampling, first_stop
-    from .tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
+    from .cost_dflash import verify_costs
+    from .tree_dflash import (
+        AcceptanceCalibration,
+        DraftTree,
+        check_tree_supported,
+        config_tree,
+        prompt_lookup,
+        propose,
+        sized_width,
+    )
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import (
         RollbackCache,
@@ -48,7 +58,16 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         target_cache_for,
     )
     from configuration_dflash import check_fits_target, check_sampling, first_stop
-    from tree_dflash import DraftTree, check_tree_supported, config_tree, prompt_lookup, propose
+    from cost_dflash import verify_costs
+    from tree_dflash import (
+        AcceptanceCalibration,
+        DraftTree,
+        check_tree_supported,
+        config_tree,
+        prompt_lookup,
+        propose,
+        sized_width,
+    )
 
 
 @dataclass
@@ -59,6 +78,7 @@ class SpecGenerateOutput:
     acceptance_lengths: list[int] = field(default_factory=list)
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    expected_acceptance_lengths: list[float] = field(default_factory=list)  # with cost sizing: each round's estimate
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -184,7 +204,14 @@ NOT_APPLIED = (
 )
 
 
-OWN_FILES = ("generation_dflash.py", "batch_dflash.py", "modeling_dflash.py", "tree_dflash.py", "cache_dflash.py")
+OWN_FILES = (
+    "generation_dflash.py",
+    "batch_dflash.py",
+    "modeling_dflash.py",
+    "tree_dflash.py",
+    "cache_dflash.py",
+    "cost_dflash.py",
+)
 
 
 def warn_caller(message: str) -> None:
@@ -372,10 +399,43 @@ class TreePlan:
     lookup: int = 0
     max_ngram: int = 2
     final_length: int = 0
+    sizing: str = "fixed"
+    costs: object = None  # the caller's t(n) for "cost" sizing (None: measured at the first call)
 
     @property
     def is_chain(self) -> bool:
         return self.budget is None and not self.lookup
+
+    def sizer(self, target, rows: int) -> "TreeSizer | None":
+        """The call's cost-sized rounds (None when the tree is fixed), over `rows` rows."""
+        if self.sizing != "cost":
+            return None
+        return TreeSizer(verify_costs(target, rows * (self.budget + 1 + self.lookup), self.costs), self.lookup)
+
+
+class TreeSizer:
+    """Cuts each round's best-first trees to the width that pays for its verify (`tree_dflash.sized_width`), and
+    calibrates the draft's path probabilities to the acceptance seen so far."""
+
+    def __init__(self, costs, lookup: int):
+        self.costs, self.lookup, self.calibration, self.started = costs, lookup, AcceptanceCalibration(), None
+
+    def start_draft(self) -> None:
+        self.started = time.perf_counter()
+
+    def cut(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[float]]:
+        """The trees cut to one width, and each row's expected acceptance length (the bonus token included)."""
+        draft_seconds = time.perf_counter() - self.started
+        probs = [tree.path_probs() for tree in trees]
+        width = sized_width(probs, self.costs, draft_seconds, self.calibration.factor, self.lookup)
+        self.widths = [min(width, len(p)) for p in probs]
+        self.predicted = [sum(p[:width]) for p in probs]
+        return [tree.prefix(width) for tree in trees], [1 + self.calibration.factor * p for p in self.predicted]
+
+    def accepted(self, paths: list[list[int]]) -> None:
+        """Feeds back each row's accepted path (its drafted nodes come before any lookup branch's)."""
+        drafted = sum(sum(1 for node in path[1:] if node <= width) for path, width in zip(paths, self.widths))
+        self.calibration.update(sum(self.predicted), drafted)
 
 
 def tree_plan(
@@ -390,6 +450,8 @@ def tree_plan(
     lookup: int | None,
     max_ngram: int,
     compile_verify: bool = False,
+    sizing: str | None = None,
+    costs=None,
 ) -> TreePlan:
     """A call's tree settings, the draft config's defaults filled in (each stepping aside, with a warning, where the
     target cannot verify it), checked before any compute."""
@@ -407,7 +469,24 @@ def tree_plan(
     check_tree_request(draft, target, tree_budget, schedule, final_length)
     if lookup:  # a lookup branch makes every round a tree
         check_tree_request(draft, target, lookup, schedule, final_length, "prompt_lookup_num_tokens")
-    return TreePlan(tree_budget, tree_min_prob, lookup, max_ngram, final_length)
+    sizing = check_sizing(draft, sizing, tree_budget, compile_verify)
+    return TreePlan(tree_budget, tree_min_prob, lookup, max_ngram, final_length, sizing, costs)
+
+
+def check_sizing(draft, sizing: str | None, tree_budget: int | None, compile_verify: bool) -> str:
+    """The call's tree sizing: explicit, else the config's (stepping aside for the chain and a compiled verify)."""
+    explicit = sizing is not None
+    sizing = sizing or draft.config.tree_sizing or "fixed"
+    if sizing not in ("cost", "fixed"):
+        raise ValueError(f"tree_sizing must be 'cost' or 'fixed', got {sizing!r}")
+    if sizing == "cost" and (tree_budget is None or compile_verify):
+        if explicit:
+            raise ValueError(
+                "tree_sizing='cost' cuts a draft tree to what its verify costs; "
+                + ("compile_verify=True verifies one shape every round" if compile_verify else "set tree_budget")
+            )
+        return "fixed"
+    return sizing
 
 
 def refuse_generate(self, *args, **kwargs):
@@ -653,6 +732,8 @@ def spec_generate(
     tree_min_prob: float = 0.0,
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int = 2,
+    tree_sizing: str | None = None,
+    verify_costs=None,
     top_p: float = 1.0,
     top_k: int = 0,
     cache_implementation: str | None = None,
@@ -713,6 +794,14 @@ def spec_generate(
             `config.prompt_lookup_num_tokens` (stepping aside where a tree does, and for `compile_verify`, whose graph
             wants one tree size). Exact like any tree: every kept token is the target's own choice given its prefix,
             whichever proposer put it there.
+        tree_sizing: `"cost"` cuts each round's best-first tree (at most `tree_budget` nodes) to the width that
+            maximises expected committed tokens per second on this machine: expected acceptance from the draft's path
+            probabilities, calibrated online by the acceptance the call has seen, against the target's measured verify
+            time t(n) (`cost_dflash.py`); `"fixed"` verifies `tree_budget` nodes; defaults to `config.tree_sizing`,
+            else fixed. A batch cuts every row to one width, since its packed verify costs the widest row's.
+        verify_costs: t(n) for cost sizing, a `tree_dflash.VerifyCosts` or a mapping of verified tokens to seconds;
+            None: measured once per target, dtype, device and thread count at the first call and kept for the process
+            (`python -m bench.step_costs` prints it).
 
     Returns `[b, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
     """
@@ -739,6 +828,8 @@ def spec_generate(
         prompt_lookup_num_tokens,
         max_matching_ngram_size,
         compile_verify,
+        tree_sizing,
+        verify_costs,
     )
     if input_ids.shape[0] > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())):
         return self._batched_spec_generate(
@@ -793,8 +884,10 @@ def spec_generate(
         start = prompt_len  # position of the last committed token, which is not yet in the target's cache
         streamed = stream_tokens(streamer, new_tokens, 0, ending.update(new_tokens))
 
-        block = block_size
+        block, sizer, expected = block_size, plan.sizer(target, 1), []
         while not ending.done(new_tokens):
+            if sizer:
+                sizer.start_draft()
             logits, hidden = draft_step(self, embed, step_head, last, context, start, draft_cache, block)
             if tree_budget is None and not lookup:  # the chain: drafted and chosen tokens come to the host together
                 proposal = chain_proposal(self, logits, hidden, last, warpers, generator, vocab)
@@ -802,6 +895,9 @@ def spec_generate(
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
                 tree = propose(logits, tree_budget, warpers, vocab, tree_min_prob)
+                if sizer:
+                    (tree,), estimate = sizer.cut([tree])
+                    expected += estimate
                 if lookup:
                     tree = tree.with_branch(prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size))
                 drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
@@ -822,6 +918,8 @@ def spec_generate(
             drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]
             tree = DraftTree.chain(drafted) if tree_budget is None and not lookup else tree
             path = tree.accept(chosen_ids)
+            if sizer:
+                sizer.accepted([path])
             new_tokens += [tree.node_token(node) for node in path[1:]] + [chosen_ids[path[-1]]]
             acceptance_lengths.append(len(path))
             # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
@@ -838,7 +936,7 @@ def spec_generate(
     output_ids = torch.cat([input_ids, torch.tensor([new_tokens[:end]], device=input_ids.device)], dim=1)
     if not return_stats:
         return output_ids
-    return SpecGenerateOutput(output_ids, acceptance_lengths, prompt_len, end)
+    return SpecGenerateOutput(output_ids, acceptance_lengths, prompt_len, end, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ tree whose every node has one child, so both decoding modes share this code.
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,10 +25,18 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     depths: list[int]
+    log_probs: list[float] = field(default_factory=list)  # each drafted node's path log-probability, where known
 
     @classmethod
     def chain(cls, tokens: list[int]) -> "DraftTree":
         return cls(list(tokens), list(range(len(tokens))), list(range(1, len(tokens) + 1)))
+
+    def prefix(self, nodes: int) -> "DraftTree":
+        """The first `nodes` drafted nodes: a tree, since parents come before their children."""
+        return DraftTree(self.tokens[:nodes], self.parents[:nodes], self.depths[:nodes], self.log_probs[:nodes])
+
+    def path_probs(self) -> list[float]:
+        return [math.exp(score) for score in self.log_probs]
 
     def node_token(self, node: int) -> int:
         """The token node `node >= 1` holds (node 0, the root, is the last committed token, held elsewhere)."""
@@ -126,6 +134,7 @@ def best_first(
         tree.tokens.append(indices[depth - 1][rank])
         tree.parents.append(parent)
         tree.depths.append(depth)
+        tree.log_probs.append(-negative)
         node, score = len(tree.tokens), -negative
         candidates = [(depth, rank + 1, parent, parent_score)] if rank + 1 < width else []
         candidates += [(depth + 1, 0, node, score)] if depth < len(values) else []
@@ -133,6 +142,60 @@ def best_first(
             if values[d - 1][r] != float("-inf"):  # a token outside the draft's vocabulary is never proposed
                 heapq.heappush(heap, (-(base + values[d - 1][r]), d, r, p, base))
     return tree
+
+
+@dataclass
+class VerifyCosts:
+    """The target's verify time by the tokens it verifies, t(n), from a few timed passes: linear between the
+    measured sizes and beyond the largest. Framework-free, so torch and MLX size their verifies by the same rule."""
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __call__(self, n: int) -> float:
+        points = list(zip(self.tokens, self.seconds))
+        for (n0, t0), (n1, t1) in zip(points, points[1:]):
+            if n <= n1 or (n1, t1) == points[-1]:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        return self.seconds[0]
+
+    def table(self) -> str:
+        return "\n".join(f"{n:>5} tokens  {t * 1000:8.2f} ms" for n, t in zip(self.tokens, self.seconds))
+
+
+class AcceptanceCalibration:
+    """Scales the draft's path probabilities to the acceptance this call has seen: the drafted tokens accepted over
+    the sum of the verified nodes' path probabilities, both with a prior of `prior` tokens (a factor of 1 before the
+    first round)."""
+
+    def __init__(self, prior: float = 2.0):
+        self.accepted, self.predicted = prior, prior
+
+    @property
+    def factor(self) -> float:
+        return self.accepted / self.predicted
+
+    def update(self, predicted: float, accepted: int) -> None:
+        self.predicted += predicted
+        self.accepted += accepted
+
+
+def sized_width(
+    row_probs: list[list[float]], cost: VerifyCosts, draft_seconds: float, factor: float, extra: int = 0
+) -> int:
+    """How many of each row's best nodes to verify (a row's nodes in best-first order, by path probability under the
+    draft): the `w` that maximises expected committed tokens per second, `(rows + factor * sum of the rows' first w
+    probabilities) / (draft_seconds + t(rows * (w + 1 + extra)))`, every row padded to `w` in the packed verify;
+    `extra` counts the tokens each row verifies besides (a lookup branch). `w = 0` is a plain decode step."""
+    rows, widest = len(row_probs), max(map(len, row_probs), default=0)
+    expected, best, best_rate = float(rows), 0, -1.0
+    for width in range(widest + 1):
+        if width:
+            expected += factor * sum(probs[width - 1] for probs in row_probs if len(probs) >= width)
+        rate = expected / (draft_seconds + cost(rows * (width + 1 + extra)))
+        if rate > best_rate:
+            best, best_rate = width, rate
+    return best
 
 
 def config_tree(nodes: int | None, *, adaptive: bool, selector: bool, recurrent: bool) -> int | None:

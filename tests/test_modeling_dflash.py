@@ -198,6 +198,7 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
         "routing_dflash.py",
         "tree_dflash.py",
         "batch_dflash.py",
+        "cost_dflash.py",
     ):
         assert (tmp_path / name).exists(), name
 

@@ -1,0 +1,56 @@
+"""What a verify costs on this machine: the target's time by the tokens one pass verifies, t(n), measured once per
+target, dtype, device and thread count, and kept for the process (`tree_dflash.sized_width` sizes each round by it).
+"""
+
+import time
+import weakref
+
+import torch
+from transformers import DynamicCache
+
+try:
+    from .cache_dflash import cache_kwarg, drop_last
+    from .tree_dflash import VerifyCosts
+except ImportError:  # imported as a top-level module from the repo root or an installed project
+    from cache_dflash import cache_kwarg, drop_last
+    from tree_dflash import VerifyCosts
+
+MEASURED = weakref.WeakKeyDictionary()  # target -> {(dtype, device, threads): VerifyCosts}
+CONTEXT = 64  # cached tokens each timed pass attends to, as a verify attends to the prompt and output
+
+
+def verify_costs(target, most_tokens: int, costs=None) -> VerifyCosts:
+    """The call's t(n): `costs` when given (a `VerifyCosts`, or a mapping of tokens to seconds), else the table kept
+    for this target, measured now up to `most_tokens` if it does not reach that far."""
+    if isinstance(costs, VerifyCosts):
+        return costs
+    if costs is not None:
+        return VerifyCosts(sorted(costs), [costs[n] for n in sorted(costs)])
+    key = (target.dtype, str(target.device), torch.get_num_threads())
+    kept = MEASURED.setdefault(target, {})
+    if key not in kept or kept[key].tokens[-1] < most_tokens:
+        kept[key] = measure_verify_costs(target, most_tokens)
+    return kept[key]
+
+
+def measure_verify_costs(target, most_tokens: int, repeats: int = 2) -> VerifyCosts:
+    """The fastest of `repeats` timed passes over 1, 2, 4, ... tokens (and `most_tokens`) after `CONTEXT` cached
+    ones, each cropped back after timing."""
+    sizes = sorted({1 << i for i in range(max(most_tokens, 1).bit_length())} | {max(most_tokens, 1)})
+    ids = torch.randint(0, target.get_input_embeddings().num_embeddings, (1, CONTEXT + sizes[-1]), device=target.device)
+    cache = {cache_kwarg(target): DynamicCache()}
+    with torch.inference_mode():
+        target(input_ids=ids[:, :CONTEXT], use_cache=True, logits_to_keep=1, **cache)
+        seconds = [min(timed_pass(target, ids[:, CONTEXT : CONTEXT + n], cache) for _ in range(repeats)) for n in sizes]
+    return VerifyCosts(sizes, seconds)
+
+
+def timed_pass(target, ids: torch.Tensor, cache: dict) -> float:
+    synchronize = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    target(input_ids=ids, use_cache=True, **cache)
+    synchronize()
+    seconds = time.perf_counter() - start
+    drop_last(next(iter(cache.values())), ids.shape[1])
+    return seconds

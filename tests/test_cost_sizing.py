@@ -1,0 +1,136 @@
+"""A verify sized by its cost (`tree_dflash.sized_width`, `cost_dflash.py`): the rule, the measured t(n), and exact
+decoding through cost-sized trees at one row and many."""
+
+import pytest
+import torch
+from conftest import greedy_reference, make_draft, make_target, watched_target
+
+import cost_dflash
+from tree_dflash import AcceptanceCalibration, DraftTree, VerifyCosts, sized_width
+
+FLAT = VerifyCosts([1, 64], [0.010, 0.010])  # any width costs one decode step: verify everything
+STEEP = VerifyCosts([1, 2, 64], [0.010, 0.020, 0.640])  # each token costs a decode step: verify nothing drafted
+
+
+def test_verify_costs_interpolate_between_and_beyond_the_measured_sizes():
+    costs = VerifyCosts([1, 4, 16], [0.01, 0.02, 0.05])
+    assert costs(1) == 0.01 and costs(4) == 0.02
+    assert costs(10) == pytest.approx(0.035)
+    assert costs(28) == pytest.approx(0.08)  # beyond the largest: the last segment's slope
+    assert "16 tokens" in costs.table()
+
+
+def test_the_width_is_what_maximises_expected_tokens_per_second():
+    probs = [[0.9, 0.5, 0.3, 0.1, 0.05]]
+    assert sized_width(probs, FLAT, 0.0, 1.0) == 5
+    assert sized_width(probs, STEEP, 0.0, 1.0) == 0  # a plain decode step
+    costs = VerifyCosts([1, 8], [0.010, 0.017])  # 1 ms a token
+    # (1 + 0.9 + 0.5 + 0.3) / 0.013 beats both one fewer and one more node
+    assert sized_width(probs, costs, 0.0, 1.0) == 3
+    rates = [(1 + sum(probs[0][:w])) / costs(w + 1) for w in range(6)]
+    assert max(range(6), key=rates.__getitem__) == 3
+
+
+def test_more_rows_verify_narrower_trees_and_calibration_scales_the_probabilities():
+    costs = VerifyCosts([1, 16, 256], [0.010, 0.012, 0.100])
+    probs = [0.9, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05]
+    one, twelve = sized_width([probs], costs, 0.005, 1.0), sized_width([probs] * 12, costs, 0.005, 1.0)
+    assert one > twelve
+    assert sized_width([probs] * 12, costs, 0.005, 0.2) < twelve  # a draft that over-promises gets less
+    calibration = AcceptanceCalibration(prior=2.0)
+    assert calibration.factor == 1.0
+    calibration.update(predicted=8.0, accepted=3)
+    assert calibration.factor == pytest.approx(5 / 10)
+
+
+def test_a_best_first_prefix_is_a_tree():
+    tree = DraftTree([4, 5, 6, 7], [0, 0, 1, 3], [1, 1, 2, 3], [-0.1, -0.5, -0.7, -0.9])
+    cut = tree.prefix(2)
+    assert (cut.tokens, cut.parents, cut.depths) == ([4, 5], [0, 0], [1, 1])
+    assert cut.path_probs() == pytest.approx([0.904837, 0.606531], rel=1e-5)
+
+
+def test_the_target_is_timed_once_per_process_and_a_table_can_be_passed_in(monkeypatch):
+    target, draft = make_target("llama"), make_draft()
+    draft.config.tree_budget = 6
+    cost_dflash.MEASURED.pop(target, None)
+    timed = []
+    original = cost_dflash.measure_verify_costs
+    monkeypatch.setattr(cost_dflash, "measure_verify_costs", lambda *a, **k: timed.append(a[1]) or original(*a, **k))
+    ids = torch.tensor([[5, 6, 7]])
+    for _ in range(2):
+        draft.spec_generate(target, ids, max_new_tokens=8, tree_sizing="cost")
+    assert timed == [7], "measured once, up to the call's widest verify (the root and 6 nodes)"
+    costs = cost_dflash.MEASURED[target]
+    assert len(costs) == 1 and next(iter(costs.values())).tokens[-1] == 7
+    draft.spec_generate(target, ids, max_new_tokens=8, tree_sizing="cost", verify_costs={1: 0.01, 8: 0.01})
+    assert timed == [7], "a table passed in is used as is"
+
+
+def verify_widths(target) -> list[int]:
+    widths = []
+    target.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    return widths
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cost_sized_trees_follow_the_cost_and_decode_exactly_at_one_row(arch):
+    """fp32: a flat t(n) verifies the whole tree, a steep one only the next token (a plain decode step), and one in
+    between sizes each round by the draft's confidence; every output equals plain greedy decoding."""
+    target, draft = make_target(arch), make_draft()
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5]])
+    expected = greedy_reference(target, ids, 30)
+    widths = verify_widths(target)
+    between = VerifyCosts([1, 16], [0.010, 0.013])  # 0.2 ms a token
+    for costs in (FLAT, STEEP, between):
+        widths.clear()
+        out = draft.spec_generate(
+            target, ids, max_new_tokens=30, tree_budget=10, tree_sizing="cost", verify_costs=costs, return_stats=True
+        )
+        assert torch.equal(out.output_ids, expected)
+        assert len(out.expected_acceptance_lengths) == len(out.acceptance_lengths)
+        if costs is FLAT:
+            assert set(widths[1:]) == {11}
+        elif costs is STEEP:
+            assert set(widths[1:]) == {1} and set(out.acceptance_lengths) == {1}
+        else:
+            assert len(set(widths[1:])) > 1, f"widths {widths[1:]}"
+
+
+def test_cost_sized_trees_in_a_batch_share_one_width_and_stay_exact():
+    from test_batch_dflash import REPEATING, expected_rows, left_pad, new_tokens
+
+    target, draft = make_target("qwen3"), make_draft()
+    ids, mask = left_pad(REPEATING)
+    widths = verify_widths(target)
+    between = VerifyCosts([1, 48], [0.010, 0.0194])
+    out = draft.spec_generate(
+        target,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        stop_token_ids=None,
+        tree_budget=12,
+        prompt_lookup_num_tokens=3,
+        tree_sizing="cost",
+        verify_costs=between,
+        return_stats=True,
+    )
+    assert new_tokens(out.output_ids, ids.shape[1], [30] * 3) == expected_rows(target, REPEATING, 30)
+    assert len(set(widths[1:])) > 1 and max(widths[1:]) <= 1 + 12 + 3
+    assert [len(e) for e in out.expected_acceptance_lengths] == [len(a) for a in out.acceptance_lengths]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tree_sizing": "auto"}, "tree_sizing must be 'cost' or 'fixed'"),
+        ({"tree_sizing": "cost"}, "set tree_budget"),
+        ({"tree_sizing": "cost", "tree_budget": 4, "compile_verify": True}, "verifies one shape every round"),
+    ],
+)
+def test_bad_sizing_requests_fail_before_compute(kwargs, message):
+    target, calls = watched_target()
+    with pytest.raises(ValueError, match=message):
+        make_draft().spec_generate(target, torch.tensor([[5, 6]]), max_new_tokens=4, **kwargs)
+    assert not calls
