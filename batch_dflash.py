@@ -158,11 +158,11 @@ def row_trees(logits, head, plan: TreePlan, warpers, histories: list[list[int]],
         best = logits.max(dim=-1).indices
         return [DraftTree.chain(row) for row in (best if head.vocab is None else head.vocab[best]).tolist()]
     trees = [propose(row_logits[None], plan.budget, warpers, head.vocab, plan.min_prob) for row_logits in logits]
+    branches = [prompt_lookup(h, plan.lookup, plan.max_ngram) if plan.lookup else [] for h in histories]
     if sizer:
-        trees, sizer.estimates = sizer.cut(trees)
-    if plan.lookup:
-        trees = [tree.with_branch(prompt_lookup(h, plan.lookup, plan.max_ngram)) for tree, h in zip(trees, histories)]
-    return trees
+        trees, sizer.estimates = sizer.cut(trees, branches)
+        return trees
+    return [tree.with_branch(branch) for tree, branch in zip(trees, branches)]
 
 
 def verify_trees(target, cache, rows: Rows, trees: list[DraftTree]) -> torch.Tensor:

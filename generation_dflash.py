@@ -9,6 +9,7 @@ given a prefix of target samples, so the output has exactly the target's distrib
 """
 
 import functools
+import math
 import os
 import sys
 import time
@@ -39,8 +40,10 @@ try:
     from .tree_dflash import (
         AcceptanceCalibration,
         DraftTree,
+        best_nodes,
         check_tree_supported,
         config_tree,
+        node_values,
         prompt_lookup,
         propose,
         sized_width,
@@ -62,8 +65,10 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from tree_dflash import (
         AcceptanceCalibration,
         DraftTree,
+        best_nodes,
         check_tree_supported,
         config_tree,
+        node_values,
         prompt_lookup,
         propose,
         sized_width,
@@ -410,32 +415,51 @@ class TreePlan:
         """The call's cost-sized rounds (None when the tree is fixed), over `rows` rows."""
         if self.sizing != "cost":
             return None
-        return TreeSizer(verify_costs(target, rows * (self.budget + 1 + self.lookup), self.costs), self.lookup)
+        return TreeSizer(verify_costs(target, rows * (self.budget + 1 + self.lookup), self.costs))
 
 
 class TreeSizer:
-    """Cuts each round's best-first trees to the width that pays for its verify (`tree_dflash.sized_width`), and
-    calibrates the draft's path probabilities to the acceptance seen so far."""
+    """Cuts each round's trees (a best-first draft tree plus its lookup branch) to the width that pays for its
+    verify (`tree_dflash.sized_width`), valuing each node by its calibrated chance of acceptance: the draft's path
+    probability times the ratio of accepted to expected draft nodes so far, and for lookup nodes the rate at which
+    the call's lookup tokens were accepted, to the power of their depth (both with a prior)."""
 
-    def __init__(self, costs, lookup: int):
-        self.costs, self.lookup, self.calibration, self.started = costs, lookup, AcceptanceCalibration(), None
+    def __init__(self, costs):
+        self.costs, self.started = costs, None
+        self.draft, self.lookup = AcceptanceCalibration(), AcceptanceCalibration(prior_rate=0.5)
 
     def start_draft(self) -> None:
         self.started = time.perf_counter()
 
-    def cut(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[float]]:
-        """The trees cut to one width, and each row's expected acceptance length (the bonus token included)."""
+    def cut(self, trees: list[DraftTree], branches: list[list[int]]) -> tuple[list[DraftTree], list[float]]:
+        """The trees with their branches, cut to one width; and each row's expected acceptance length (the bonus
+        token included)."""
         draft_seconds = time.perf_counter() - self.started
-        probs = [tree.path_probs() for tree in trees]
-        width = sized_width(probs, self.costs, draft_seconds, self.calibration.factor, self.lookup)
-        self.widths = [min(width, len(p)) for p in probs]
-        self.predicted = [sum(p[:width]) for p in probs]
-        return [tree.prefix(width) for tree in trees], [1 + self.calibration.factor * p for p in self.predicted]
+        merged = [tree.with_branch(branch) for tree, branch in zip(trees, branches)]
+        values = [
+            node_values(tree, len(drafted.tokens), branch, self.draft.factor, self.lookup.factor)
+            for tree, drafted, branch in zip(merged, trees, branches)
+        ]
+        width = sized_width([sorted(v, reverse=True) for v in values], self.costs, draft_seconds)
+        kept = [best_nodes(v, width) for v in values]
+        self.rounds = [
+            (
+                sum(math.exp(s) for n, s in enumerate(drafted.log_probs, 1) if n in set(nodes)),
+                set(tree.branch_nodes(branch)) & set(nodes),
+                len(drafted.tokens),
+                nodes,
+            )
+            for tree, drafted, branch, nodes in zip(merged, trees, branches, kept)
+        ]
+        cut = [tree.subtree(nodes) for tree, nodes in zip(merged, kept)]
+        return cut, [1 + sum(v[n - 1] for n in nodes) for v, nodes in zip(values, kept)]
 
     def accepted(self, paths: list[list[int]]) -> None:
-        """Feeds back each row's accepted path (its drafted nodes come before any lookup branch's)."""
-        drafted = sum(sum(1 for node in path[1:] if node <= width) for path, width in zip(paths, self.widths))
-        self.calibration.update(sum(self.predicted), drafted)
+        """Feeds back each row's accepted path (node numbers of the cut tree)."""
+        for path, (predicted, lookup_nodes, drafted, nodes) in zip(paths, self.rounds):
+            accepted = [nodes[node - 1] for node in path[1:]]  # back to the uncut tree's numbers
+            self.draft.update(predicted, sum(node <= drafted for node in accepted))
+            self.lookup.update(len(lookup_nodes), len(lookup_nodes & set(accepted)))
 
 
 def tree_plan(
@@ -895,11 +919,12 @@ def spec_generate(
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
                 tree = propose(logits, tree_budget, warpers, vocab, tree_min_prob)
+                branch = prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size) if lookup else []
                 if sizer:
-                    (tree,), estimate = sizer.cut([tree])
+                    (tree,), estimate = sizer.cut([tree], [branch])
                     expected += estimate
-                if lookup:
-                    tree = tree.with_branch(prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size))
+                elif branch:
+                    tree = tree.with_branch(branch)
                 drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
                 verify_ids = torch.cat([last, drafted], dim=1)
                 positions = tree.position_ids(start, input_ids.device)

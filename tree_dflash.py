@@ -38,6 +38,25 @@ class DraftTree:
     def path_probs(self) -> list[float]:
         return [math.exp(score) for score in self.log_probs]
 
+    def subtree(self, nodes: list[int]) -> "DraftTree":
+        """The tree of drafted `nodes` (ascending, each with its parent among them), renumbered in that order."""
+        number = {0: 0} | {node: i for i, node in enumerate(nodes, 1)}
+        return DraftTree(
+            [self.tokens[n - 1] for n in nodes],
+            [number[self.parents[n - 1]] for n in nodes],
+            [self.depths[n - 1] for n in nodes],
+        )
+
+    def branch_nodes(self, branch: list[int]) -> list[int]:
+        """The nodes that hold `branch` (tokens below the root), as far as the tree holds it."""
+        children = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens), 1)}
+        nodes = [0]
+        for token in branch:
+            if (child := children.get((nodes[-1], token))) is None:
+                break
+            nodes.append(child)
+        return nodes[1:]
+
     def node_token(self, node: int) -> int:
         """The token node `node >= 1` holds (node 0, the root, is the last committed token, held elsewhere)."""
         return self.tokens[node - 1]
@@ -53,7 +72,7 @@ class DraftTree:
     def with_branch(self, branch: list[int]) -> "DraftTree":
         """This tree plus `branch` (tokens below the root) as one more path; a prefix it shares with the tree reuses
         the tree's nodes, and new nodes come after the old ones, parents first."""
-        tree = DraftTree(list(self.tokens), list(self.parents), list(self.depths))
+        tree = DraftTree(list(self.tokens), list(self.parents), list(self.depths), list(self.log_probs))
         children = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens), 1)}
         node = 0
         for depth, token in enumerate(branch, 1):
@@ -165,11 +184,11 @@ class VerifyCosts:
 
 class AcceptanceCalibration:
     """Scales the draft's path probabilities to the acceptance this call has seen: the drafted tokens accepted over
-    the sum of the verified nodes' path probabilities, both with a prior of `prior` tokens (a factor of 1 before the
-    first round)."""
+    the sum of the verified nodes' path probabilities, with a prior of `prior` tokens accepted at `prior_rate` (the
+    factor before the first round)."""
 
-    def __init__(self, prior: float = 2.0):
-        self.accepted, self.predicted = prior, prior
+    def __init__(self, prior: float = 2.0, prior_rate: float = 1.0):
+        self.accepted, self.predicted = prior * prior_rate, prior
 
     @property
     def factor(self) -> float:
@@ -180,22 +199,37 @@ class AcceptanceCalibration:
         self.accepted += accepted
 
 
-def sized_width(
-    row_probs: list[list[float]], cost: VerifyCosts, draft_seconds: float, factor: float, extra: int = 0
-) -> int:
-    """How many of each row's best nodes to verify (a row's nodes in best-first order, by path probability under the
-    draft): the `w` that maximises expected committed tokens per second, `(rows + factor * sum of the rows' first w
-    probabilities) / (draft_seconds + t(rows * (w + 1 + extra)))`, every row padded to `w` in the packed verify;
-    `extra` counts the tokens each row verifies besides (a lookup branch). `w = 0` is a plain decode step."""
-    rows, widest = len(row_probs), max(map(len, row_probs), default=0)
+def sized_width(row_values: list[list[float]], cost: VerifyCosts, draft_seconds: float) -> int:
+    """How many of each row's best nodes to verify (`row_values`: each row's expected accepted tokens per node, in
+    descending order): the `w` that maximises expected committed tokens per second, `(rows + sum of the rows' first
+    w values) / (draft_seconds + t(rows * (w + 1)))`, every row padded to `w` in the packed verify. `w = 0` is a
+    plain decode step."""
+    rows, widest = len(row_values), max(map(len, row_values), default=0)
     expected, best, best_rate = float(rows), 0, -1.0
     for width in range(widest + 1):
         if width:
-            expected += factor * sum(probs[width - 1] for probs in row_probs if len(probs) >= width)
-        rate = expected / (draft_seconds + cost(rows * (width + 1 + extra)))
+            expected += sum(values[width - 1] for values in row_values if len(values) >= width)
+        rate = expected / (draft_seconds + cost(rows * (width + 1)))
         if rate > best_rate:
             best, best_rate = width, rate
     return best
+
+
+def node_values(tree: "DraftTree", drafted: int, branch: list[int], draft_factor: float, lookup_rate: float):
+    """Each node's expected acceptance: the first `drafted` nodes' calibrated path probability under the draft, and
+    for the lookup branch's nodes `lookup_rate ** depth`, whichever is larger (a shared node is proposed by both)."""
+    values = [draft_factor * math.exp(score) for score in tree.log_probs[:drafted]]
+    values += [0.0] * (len(tree.tokens) - drafted)
+    for depth, node in enumerate(tree.branch_nodes(branch), 1):
+        values[node - 1] = max(values[node - 1], lookup_rate**depth)
+    return values
+
+
+def best_nodes(values: list[float], width: int) -> list[int]:
+    """The `width` most valuable nodes, ascending; a child is never worth more than its parent, and ties go to the
+    earlier node, so every chosen node's parent is chosen too."""
+    ranked = sorted(range(1, len(values) + 1), key=lambda node: (-values[node - 1], node))
+    return sorted(ranked[:width])
 
 
 def config_tree(nodes: int | None, *, adaptive: bool, selector: bool, recurrent: bool) -> int | None:

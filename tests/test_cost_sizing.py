@@ -1,12 +1,14 @@
 """A verify sized by its cost (`tree_dflash.sized_width`, `cost_dflash.py`): the rule, the measured t(n), and exact
 decoding through cost-sized trees at one row and many."""
 
+import math
+
 import pytest
 import torch
 from conftest import greedy_reference, make_draft, make_target, watched_target
 
 import cost_dflash
-from tree_dflash import AcceptanceCalibration, DraftTree, VerifyCosts, sized_width
+from tree_dflash import AcceptanceCalibration, DraftTree, VerifyCosts, best_nodes, node_values, sized_width
 
 FLAT = VerifyCosts([1, 64], [0.010, 0.010])  # any width costs one decode step: verify everything
 STEEP = VerifyCosts([1, 2, 64], [0.010, 0.020, 0.640])  # each token costs a decode step: verify nothing drafted
@@ -22,11 +24,11 @@ def test_verify_costs_interpolate_between_and_beyond_the_measured_sizes():
 
 def test_the_width_is_what_maximises_expected_tokens_per_second():
     probs = [[0.9, 0.5, 0.3, 0.1, 0.05]]
-    assert sized_width(probs, FLAT, 0.0, 1.0) == 5
-    assert sized_width(probs, STEEP, 0.0, 1.0) == 0  # a plain decode step
+    assert sized_width(probs, FLAT, 0.0) == 5
+    assert sized_width(probs, STEEP, 0.0) == 0  # a plain decode step
     costs = VerifyCosts([1, 8], [0.010, 0.017])  # 1 ms a token
     # (1 + 0.9 + 0.5 + 0.3) / 0.013 beats both one fewer and one more node
-    assert sized_width(probs, costs, 0.0, 1.0) == 3
+    assert sized_width(probs, costs, 0.0) == 3
     rates = [(1 + sum(probs[0][:w])) / costs(w + 1) for w in range(6)]
     assert max(range(6), key=rates.__getitem__) == 3
 
@@ -34,13 +36,24 @@ def test_the_width_is_what_maximises_expected_tokens_per_second():
 def test_more_rows_verify_narrower_trees_and_calibration_scales_the_probabilities():
     costs = VerifyCosts([1, 16, 256], [0.010, 0.012, 0.100])
     probs = [0.9, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05]
-    one, twelve = sized_width([probs], costs, 0.005, 1.0), sized_width([probs] * 12, costs, 0.005, 1.0)
+    one, twelve = sized_width([probs], costs, 0.005), sized_width([probs] * 12, costs, 0.005)
     assert one > twelve
-    assert sized_width([probs] * 12, costs, 0.005, 0.2) < twelve  # a draft that over-promises gets less
     calibration = AcceptanceCalibration(prior=2.0)
     assert calibration.factor == 1.0
     calibration.update(predicted=8.0, accepted=3)
     assert calibration.factor == pytest.approx(5 / 10)
+    scaled = [[calibration.factor * p for p in probs]] * 12
+    assert sized_width(scaled, costs, 0.005) < twelve  # a draft that over-promised gets less
+
+
+def test_nodes_are_valued_by_draft_and_lookup_and_the_best_keep_their_parents():
+    # node 1 (draft, p 0.8) -> 2 (draft, 0.4); the branch [t1, 9, 8] shares node 1 and adds 3 -> 4
+    tree = DraftTree([4, 5], [0, 1], [1, 2], [math.log(0.8), math.log(0.4)]).with_branch([4, 9, 8])
+    values = node_values(tree, 2, [4, 9, 8], draft_factor=1.0, lookup_rate=0.7)
+    assert values == pytest.approx([0.8, 0.4, 0.49, 0.343])
+    assert best_nodes(values, 2) == [1, 3]
+    cut = tree.subtree(best_nodes(values, 3))
+    assert (cut.tokens, cut.parents, cut.depths) == ([4, 5, 9], [0, 1, 1], [1, 2, 2])
 
 
 def test_a_best_first_prefix_is_a_tree():
