@@ -782,7 +782,7 @@ def spec_generate(
         attention_mask: with a batch, its `[b, prompt_len]` 0/1 mask; the prompts must be left-padded
             (`tokenizer.padding_side = "left"`). A batch (more than one row, or padding) decodes together, every row
             accepting its own prefix, and returns `[b, prompt_len + new]` ids padded after each row's end
-            (`batch_dflash.py`; chains only).
+            (`batch_dflash.py`; each row verifies its own tree).
         stop_token_ids: generation ends after the first of these tokens (it is kept); one id or a list. Omitted: the
             target's `generation_config.eos_token_id`, where `generate` stops too; None: no stop token (z-lab's
             meaning). That is all `spec_generate` reads from the generation config: its own arguments decide the
