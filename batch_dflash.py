@@ -7,7 +7,6 @@ that every row rejected are cropped at once. The draft's context cache follows t
 (a stop token, `max_new_tokens`) leaves both caches, so it costs nothing afterwards.
 """
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 try:
     from .cache_dflash import cache_kwarg, drop_last, is_hybrid
     from .generation_dflash import (
+        EOS_FROM_GENERATION_CONFIG,
         DraftHead,
         LayerFeatures,
         OutputEnd,
@@ -43,6 +43,7 @@ try:
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
     from generation_dflash import (
+        EOS_FROM_GENERATION_CONFIG,
         DraftHead,
         LayerFeatures,
         OutputEnd,
@@ -317,7 +318,7 @@ def batched_spec_generate(
     prompt_tokens = [ids[keep].tolist() for ids, keep in zip(input_ids, real)] if plan.lookup else []
     warpers = None if row_processors else sampling_warpers(temperature, top_k, top_p)
     stops = stop_ids(target, stop_token_ids)
-    pad = pad_token_id if pad_token_id is not None else pad_id(target, stops)
+    pad = pad_token_id if pad_token_id is not None else pad_id(target, stop_token_ids)
     processors = row_processors or [sampling_warpers(temperature, top_k, top_p)] * input_ids.shape[0]
     pick = RowPicker(processors, input_ids, temperature > 0, generator)
     embed, head = draft_embedding(self, target), DraftHead(self, target.get_output_embeddings())
@@ -400,12 +401,17 @@ def drop_finished(rows: Rows, ends: list[OutputEnd], outputs, target_cache, draf
     return rows.select(keep)
 
 
-def pad_id(target, stops: set[int]) -> int:
-    """The pad token `generate` writes after a row's end: the generation config's, else a stop token, else 0."""
+def pad_id(target, stop_token_ids) -> int:
+    """The pad token `generate` writes after a row's end: the generation config's, else the first stop token (as
+    `generate` pads with the first EOS id), else 0."""
     pad = getattr(target.generation_config, "pad_token_id", None)
     if pad is None:
-        pad = min(stops) if stops else 0
-    return pad[0] if isinstance(pad, list) else int(pad)
+        if stop_token_ids is EOS_FROM_GENERATION_CONFIG:
+            stop_token_ids = getattr(target.generation_config, "eos_token_id", None)
+        pad = stop_token_ids
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    return 0 if pad is None else int(pad)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -442,10 +448,10 @@ CALL_ONLY = {
 
 
 def generation_settings(target, call: dict):
-    """The call's generation config: its `generation_config` (else the target's) updated with its keyword settings."""
-
-    config = copy.deepcopy(call.get("generation_config") or target.generation_config)
-    config.update(**{k: v for k, v in call.items() if k not in CALL_ONLY and hasattr(config, k)})
+    """The call's generation config as `generate` builds it (`_prepare_generation_config`): its `generation_config`,
+    unset fields filled from the target's and then from the global defaults, updated with its keyword settings."""
+    settings = {k: v for k, v in call.items() if k not in CALL_ONLY}
+    config, _ = target._prepare_generation_config(call.get("generation_config"), **settings)
     return config
 
 
@@ -495,7 +501,8 @@ def new_token_count(target, call: dict, config, prompt_len: int) -> int:
     the prompt; else 20, within the target's `max_position_embeddings`."""
     if config.max_new_tokens is not None:
         return config.max_new_tokens
-    if call.get("max_length") is not None or config.max_length != GenerationConfig().max_length:
+    preset = (call.get("generation_config") or target.generation_config).max_length  # before defaults fill it
+    if call.get("max_length") is not None or preset not in (None, GenerationConfig().max_length):
         return config.max_length - prompt_len
     context = getattr(target.config, "max_position_embeddings", None) or prompt_len + 20
     return min(prompt_len + 20, context) - prompt_len

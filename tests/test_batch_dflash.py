@@ -536,3 +536,24 @@ def test_generate_applies_each_rows_processors_at_every_tree_node(name, gathered
     draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = 10, 4
     assert torch.equal(target.generate(ids, assistant_model=draft, **common, **settings), plain)
     assert gathered, "no row accepted a path off its first-choice chain"
+
+
+def test_a_batchs_generation_config_is_merged_with_the_targets_as_generate_merges_it():
+    """A user config without `eos_token_id` takes the target's, as `generate` does (it used to never stop); rows are
+    padded after their end with the first EOS id, as `generate` pads when no pad token is set."""
+    from transformers import GenerationConfig
+
+    target, draft = make_target("llama"), make_draft()
+    ids, mask = left_pad(PROMPTS)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    first, second = free[1, ids.shape[1] + 2].item(), free[0, ids.shape[1] + 5].item()
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = [first, second], None
+    user = GenerationConfig(max_new_tokens=12, do_sample=False)
+    plain = target.generate(ids, attention_mask=mask, generation_config=user)
+    ours = target.generate(ids, attention_mask=mask, generation_config=user, assistant_model=draft)
+    assert torch.equal(ours, plain)
+    width = ids.shape[1]
+    ended = [row for row in range(3) if first in plain[row, width:].tolist() or second in plain[row, width:].tolist()]
+    assert ended, "no row stopped at an EOS id"
+    spec = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(spec, plain)
