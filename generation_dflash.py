@@ -442,15 +442,12 @@ class TreeSizer:
         ]
         width = sized_width([sorted(v, reverse=True) for v in values], self.costs, draft_seconds)
         kept = [best_nodes(v, width) for v in values]
-        self.rounds = [
-            (
-                sum(math.exp(s) for n, s in enumerate(drafted.log_probs, 1) if n in set(nodes)),
-                set(tree.branch_nodes(branch)) & set(nodes),
-                len(drafted.tokens),
-                nodes,
-            )
-            for tree, drafted, branch, nodes in zip(merged, trees, branches, kept)
-        ]
+        self.rounds = []  # per row: the kept draft nodes' expected acceptance, its kept lookup nodes, and more
+        for tree, drafted, branch, nodes in zip(merged, trees, branches, kept):
+            chosen = set(nodes)
+            predicted = sum(math.exp(score) for n, score in enumerate(drafted.log_probs, 1) if n in chosen)
+            lookup_nodes = set(tree.branch_nodes(branch)) & chosen
+            self.rounds.append((predicted, lookup_nodes, len(drafted.tokens), nodes))
         cut = [tree.subtree(nodes) for tree, nodes in zip(merged, kept)]
         return cut, [1 + sum(v[n - 1] for n in nodes) for v, nodes in zip(values, kept)]
 
