@@ -39,7 +39,8 @@ try:
         stop_ids,
         tree_plan,
     )
-    from .tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
+    from .proposal_dflash import propose
+    from .tree_dflash import DraftTree, check_tree_supported, prompt_lookup
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
     from generation_dflash import (
@@ -57,7 +58,8 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         stop_ids,
         tree_plan,
     )
-    from tree_dflash import DraftTree, check_tree_supported, prompt_lookup, propose
+    from proposal_dflash import propose
+    from tree_dflash import DraftTree, check_tree_supported, prompt_lookup
 
 
 def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:

@@ -37,6 +37,7 @@ try:
     )
     from .configuration_dflash import check_fits_target, check_sampling, first_stop
     from .cost_dflash import verify_costs
+    from .proposal_dflash import propose, tree_attention_mask, tree_position_ids
     from .tree_dflash import (
         AcceptanceCalibration,
         DraftTree,
@@ -45,7 +46,6 @@ try:
         config_tree,
         node_values,
         prompt_lookup,
-        propose,
         sized_width,
     )
 except ImportError:  # imported as a top-level module from the repo root or an installed project
@@ -62,6 +62,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     )
     from configuration_dflash import check_fits_target, check_sampling, first_stop
     from cost_dflash import verify_costs
+    from proposal_dflash import propose, tree_attention_mask, tree_position_ids
     from tree_dflash import (
         AcceptanceCalibration,
         DraftTree,
@@ -70,7 +71,6 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         config_tree,
         node_values,
         prompt_lookup,
-        propose,
         sized_width,
     )
 
@@ -216,6 +216,7 @@ OWN_FILES = (
     "tree_dflash.py",
     "cache_dflash.py",
     "cost_dflash.py",
+    "proposal_dflash.py",
 )
 
 
@@ -924,8 +925,8 @@ def spec_generate(
                     tree = tree.with_branch(branch)
                 drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
                 verify_ids = torch.cat([last, drafted], dim=1)
-                positions = tree.position_ids(start, input_ids.device)
-                mask = tree.attention_mask(start, target.dtype, input_ids.device, kv_slots)
+                positions = tree_position_ids(tree, start, input_ids.device)
+                mask = tree_attention_mask(tree, start, target.dtype, input_ids.device, kv_slots)
             if isinstance(target_cache, RollbackCache):
                 target_cache.save(verify_ids)
             out = verify(

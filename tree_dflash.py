@@ -3,14 +3,13 @@
 A DFlash draft gives a distribution at every block position at once. Instead of verifying its argmax chain, build a
 tree best-first on the product of the draft's probabilities along each path, verify all of it in one target pass
 with an ancestor-only mask, and walk from the root along the children that hold the target's choices. A chain is the
-tree whose every node has one child, so both decoding modes share this code.
+tree whose every node has one child, so both decoding modes share this code. Framework-free (neither torch nor
+transformers): the torch loops (`proposal_dflash.py`) and the MLX port build, cut and walk trees by the same rules.
 """
 
 import heapq
 import math
 from dataclasses import dataclass, field
-
-import torch
 
 ATTENTION_FOR_TREES = ("eager", "sdpa")  # the implementations that take an arbitrary 4D mask
 
@@ -104,34 +103,6 @@ class DraftTree:
     def positions(self, start: int) -> list[int]:
         """The root at `start`, every node at `start + depth`."""
         return [start] + [start + d for d in self.depths]
-
-    def ancestors(self) -> torch.Tensor:
-        return torch.tensor(self.ancestor_rows(), dtype=torch.bool)
-
-    def attention_mask(self, cache_len: int, dtype: torch.dtype, device, kv_len: int | None = None) -> torch.Tensor:
-        """Additive `[1, 1, n + 1, kv_len]` mask over `[cache ; tree ; unused slots]`: all of the cache, ancestors
-        only, none of the slots after the tree (a static cache's keys span its whole length)."""
-        n = len(self.tokens) + 1
-        unused = (kv_len or cache_len + n) - cache_len - n
-        visible = torch.cat(
-            [torch.ones(n, cache_len, dtype=torch.bool), self.ancestors(), torch.zeros(n, unused, dtype=torch.bool)],
-            dim=1,
-        )
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[None, None].to(device)
-
-    def position_ids(self, start: int, device) -> torch.Tensor:
-        return torch.tensor([self.positions(start)], device=device)
-
-
-def build_tree(
-    log_probs: torch.Tensor, budget: int, vocab: torch.Tensor | None = None, min_log_prob: float = float("-inf")
-) -> DraftTree:
-    """`best_first` over the draft's top choices. `log_probs`: `[depth, vocab]`, the draft's log-probabilities at
-    block positions 1..depth; `vocab` maps its columns to token ids when they cover only the draft's vocabulary."""
-    width = min(budget, log_probs.shape[-1])
-    values, indices = log_probs.float().topk(width, dim=-1)
-    return best_first(values.tolist(), (indices if vocab is None else vocab[indices]).tolist(), budget, min_log_prob)
 
 
 def best_first(
@@ -236,21 +207,6 @@ def config_tree(nodes: int | None, *, adaptive: bool, selector: bool, recurrent:
     """A draft config's tree setting as a default (None: the chain): it yields to an adaptive block, a DFlash 2
     selector (whose walk is its own chain) and a recurrent target (whose state follows one path)."""
     return None if adaptive or selector or recurrent or not nodes else nodes
-
-
-def propose(
-    logits: torch.Tensor, budget: int | None, warpers=None, vocab: torch.Tensor | None = None, min_prob: float = 0.0
-) -> DraftTree:
-    """The round's draft: the argmax chain when `budget` is None, else a best-first tree of at most `budget` nodes
-    whose path probability is at least `min_prob`, scored with the draft's distribution after the call's sampling
-    warpers (none when greedy), so a token the target cannot sample is never proposed. `logits`: `[1, depth, vocab]`,
-    over the draft's vocabulary `vocab` when given (then every other token has probability 0, and the warpers read
-    the same distribution)."""
-    if budget is None:
-        best = logits[0].max(dim=-1).indices
-        return DraftTree.chain((best if vocab is None else vocab[best]).tolist())
-    scores = warpers(None, logits[0].float()) if warpers else logits[0].float()
-    return build_tree(torch.log_softmax(scores, dim=-1), budget, vocab, math.log(min_prob) if min_prob else -math.inf)
 
 
 def prompt_lookup(tokens: list[int], num_tokens: int, max_ngram: int = 2) -> list[int]:

@@ -2,6 +2,9 @@
 decoding through cost-sized trees at one row and many."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +150,19 @@ def test_bad_sizing_requests_fail_before_compute(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target, torch.tensor([[5, 6]]), max_new_tokens=4, **kwargs)
     assert not calls
+
+
+def test_the_tree_and_cost_rules_import_neither_torch_nor_transformers():
+    """`tree_dflash` is shared with the MLX port: with torch and transformers unimportable, it builds, cuts and
+    walks a tree and sizes a verify."""
+    code = (
+        "import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
+        "import tree_dflash as t\n"
+        "tree = t.best_first([[-0.1, -2.0], [-0.2, -3.0]], [[4, 5], [6, 7]], 3)\n"
+        "width = t.sized_width([sorted(tree.path_probs(), reverse=True)], t.VerifyCosts([1, 4], [0.01, 0.01]), 0.0)\n"
+        "print(tree.tokens, tree.prefix(width).accept([4, 6, 9, 9]), width)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[4,", "6,", "5]", "[0,", "1,", "2]", "3"]

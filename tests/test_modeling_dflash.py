@@ -199,6 +199,7 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
         "tree_dflash.py",
         "batch_dflash.py",
         "cost_dflash.py",
+        "proposal_dflash.py",
     ):
         assert (tmp_path / name).exists(), name
 

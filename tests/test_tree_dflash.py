@@ -24,7 +24,8 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 
 import generation_dflash
 from cache_dflash import cache_kwarg, compact_cache
-from tree_dflash import DraftTree, build_tree, prompt_lookup, propose
+from proposal_dflash import ancestors, build_tree, propose, tree_attention_mask, tree_position_ids
+from tree_dflash import DraftTree, prompt_lookup
 
 
 def cached_pass(target, cache: DynamicCache, **kwargs) -> None:
@@ -104,11 +105,11 @@ def test_mask_and_positions_of_a_hand_built_tree():
         ],
         dtype=torch.bool,
     )
-    assert torch.equal(tree.ancestors(), expected)
-    mask = tree.attention_mask(cache_len=3, dtype=torch.float32, device="cpu")
+    assert torch.equal(ancestors(tree), expected)
+    mask = tree_attention_mask(tree, cache_len=3, dtype=torch.float32, device="cpu")
     assert mask.shape == (1, 1, 6, 9)
     assert torch.equal(mask[0, 0] == 0, torch.cat([torch.ones(6, 3, dtype=torch.bool), expected], dim=1))
-    assert tree.position_ids(7, "cpu").tolist() == [[7, 8, 8, 9, 9, 10]]
+    assert tree_position_ids(tree, 7, "cpu").tolist() == [[7, 8, 8, 9, 9, 10]]
     # the target chose b at the root, d at b, and something absent at d
     assert tree.accept([11, 99, 13, 99, 7, 99]) == [0, 2, 4]
     assert tree.accept([42, 0, 0, 0, 0, 0]) == [0]
@@ -126,8 +127,8 @@ def test_compacted_cache_equals_the_cache_of_the_committed_tokens():
         target,
         cache,
         input_ids=torch.tensor([[8, *tree.tokens]]),
-        position_ids=tree.position_ids(3, "cpu"),
-        attention_mask=tree.attention_mask(3, torch.float32, "cpu"),
+        position_ids=tree_position_ids(tree, 3, "cpu"),
+        attention_mask=tree_attention_mask(tree, 3, torch.float32, "cpu"),
     )
     compact_cache(cache, 3, [0, 2, 4])  # root, b, d
     cached_pass(target, reference, input_ids=torch.tensor([[5, 6, 7, 8, 11, 13]]))
