@@ -23,18 +23,22 @@ try:
     # imported here too: transformers 4.x copies a local repo's direct imports only
     from .cache_dflash import RollbackCache
     from .configuration_dflash import DFlashConfig, dflash2_settings
+    from .cost_dflash import verify_costs  # noqa: F401
     from .generation_dflash import quantize_int8 as _quantize_int8
     from .generation_dflash import refuse_generate as _refuse_generate
     from .generation_dflash import spec_generate as _spec_generate
+    from .proposal_dflash import propose  # noqa: F401
     from .routing_dflash import assisted_generate as _assisted_generate
     from .tree_dflash import DraftTree
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from batch_dflash import batched_spec_generate as _batched_loop
     from cache_dflash import RollbackCache
     from configuration_dflash import DFlashConfig, dflash2_settings
+    from cost_dflash import verify_costs  # noqa: F401
     from generation_dflash import quantize_int8 as _quantize_int8
     from generation_dflash import refuse_generate as _refuse_generate
     from generation_dflash import spec_generate as _spec_generate
+    from proposal_dflash import propose  # noqa: F401
     from routing_dflash import assisted_generate as _assisted_generate
     from tree_dflash import DraftTree
 
