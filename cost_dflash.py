@@ -22,10 +22,8 @@ CONTEXT = 64  # cached tokens each timed pass attends to, as a verify attends to
 def verify_costs(target, most_tokens: int, costs=None) -> VerifyCosts:
     """The call's t(n): `costs` when given (a `VerifyCosts`, or a mapping of tokens to seconds), else the table kept
     for this target, measured now up to `most_tokens` if it does not reach that far."""
-    if isinstance(costs, VerifyCosts):
-        return costs
     if costs is not None:
-        return VerifyCosts(sorted(costs), [costs[n] for n in sorted(costs)])
+        return VerifyCosts.given(costs)
     key = (target.dtype, str(target.device), torch.get_num_threads())
     kept = MEASURED.setdefault(target, {})
     if key not in kept or kept[key].tokens[-1] < most_tokens:
@@ -36,7 +34,7 @@ def verify_costs(target, most_tokens: int, costs=None) -> VerifyCosts:
 def measure_verify_costs(target, most_tokens: int, repeats: int = 2) -> VerifyCosts:
     """The fastest of `repeats` timed passes over 1, 2, 4, ... tokens (and `most_tokens`) after `CONTEXT` cached
     ones, each cropped back after timing."""
-    sizes = sorted({1 << i for i in range(max(most_tokens, 1).bit_length())} | {max(most_tokens, 1)})
+    sizes = VerifyCosts.sizes_to_time(most_tokens)
     ids = torch.randint(0, target.get_input_embeddings().num_embeddings, (1, CONTEXT + sizes[-1]), device=target.device)
     cache = {cache_kwarg(target): DynamicCache()}
     with torch.inference_mode():

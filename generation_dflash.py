@@ -9,10 +9,8 @@ given a prefix of target samples, so the output has exactly the target's distrib
 """
 
 import functools
-import math
 import os
 import sys
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -39,14 +37,12 @@ try:
     from .cost_dflash import verify_costs
     from .proposal_dflash import propose, tree_attention_mask, tree_position_ids
     from .tree_dflash import (
-        AcceptanceCalibration,
         DraftTree,
-        best_nodes,
+        TreeSizer,
         check_tree_supported,
         config_tree,
-        node_values,
         prompt_lookup,
-        sized_width,
+        resolve_tree_sizing,
     )
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import (
@@ -64,14 +60,12 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from cost_dflash import verify_costs
     from proposal_dflash import propose, tree_attention_mask, tree_position_ids
     from tree_dflash import (
-        AcceptanceCalibration,
         DraftTree,
-        best_nodes,
+        TreeSizer,
         check_tree_supported,
         config_tree,
-        node_values,
         prompt_lookup,
-        sized_width,
+        resolve_tree_sizing,
     )
 
 
@@ -419,47 +413,6 @@ class TreePlan:
         return TreeSizer(verify_costs(target, rows * (self.budget + 1 + self.lookup), self.costs))
 
 
-class TreeSizer:
-    """Cuts each round's trees (a best-first draft tree plus its lookup branch) to the width that pays for its
-    verify (`tree_dflash.sized_width`), valuing each node by its calibrated chance of acceptance: the draft's path
-    probability times the ratio of accepted to expected draft nodes so far, and for lookup nodes the rate at which
-    the call's lookup tokens were accepted, to the power of their depth (both with a prior)."""
-
-    def __init__(self, costs):
-        self.costs, self.started = costs, None
-        self.draft, self.lookup = AcceptanceCalibration(), AcceptanceCalibration(prior_rate=0.5)
-
-    def start_draft(self) -> None:
-        self.started = time.perf_counter()
-
-    def cut(self, trees: list[DraftTree], branches: list[list[int]]) -> tuple[list[DraftTree], list[float]]:
-        """The trees with their branches, cut to one width; and each row's expected acceptance length (the bonus
-        token included)."""
-        draft_seconds = time.perf_counter() - self.started
-        merged = [tree.with_branch(branch) for tree, branch in zip(trees, branches)]
-        values = [
-            node_values(tree, len(drafted.tokens), branch, self.draft.factor, self.lookup.factor)
-            for tree, drafted, branch in zip(merged, trees, branches)
-        ]
-        width = sized_width([sorted(v, reverse=True) for v in values], self.costs, draft_seconds)
-        kept = [best_nodes(v, width) for v in values]
-        self.rounds = []  # per row: the kept draft nodes' expected acceptance, its kept lookup nodes, and more
-        for tree, drafted, branch, nodes in zip(merged, trees, branches, kept):
-            chosen = set(nodes)
-            predicted = sum(math.exp(score) for n, score in enumerate(drafted.log_probs, 1) if n in chosen)
-            lookup_nodes = set(tree.branch_nodes(branch)) & chosen
-            self.rounds.append((predicted, lookup_nodes, len(drafted.tokens), nodes))
-        cut = [tree.subtree(nodes) for tree, nodes in zip(merged, kept)]
-        return cut, [1 + sum(v[n - 1] for n in nodes) for v, nodes in zip(values, kept)]
-
-    def accepted(self, paths: list[list[int]]) -> None:
-        """Feeds back each row's accepted path (node numbers of the cut tree)."""
-        for path, (predicted, lookup_nodes, drafted, nodes) in zip(paths, self.rounds):
-            accepted = [nodes[node - 1] for node in path[1:]]  # back to the uncut tree's numbers
-            self.draft.update(predicted, sum(node <= drafted for node in accepted))
-            self.lookup.update(len(lookup_nodes), len(lookup_nodes & set(accepted)))
-
-
 def tree_plan(
     draft,
     target,
@@ -496,19 +449,8 @@ def tree_plan(
 
 
 def check_sizing(draft, sizing: str | None, tree_budget: int | None, compile_verify: bool) -> str:
-    """The call's tree sizing: explicit, else the config's (stepping aside for the chain and a compiled verify)."""
-    explicit = sizing is not None
-    sizing = sizing or draft.config.tree_sizing or "fixed"
-    if sizing not in ("cost", "fixed"):
-        raise ValueError(f"tree_sizing must be 'cost' or 'fixed', got {sizing!r}")
-    if sizing == "cost" and (tree_budget is None or compile_verify):
-        if explicit:
-            raise ValueError(
-                "tree_sizing='cost' cuts a draft tree to what its verify costs; "
-                + ("compile_verify=True verifies one shape every round" if compile_verify else "set tree_budget")
-            )
-        return "fixed"
-    return sizing
+    """The call's tree sizing: explicit, else the config's (`tree_dflash.resolve_tree_sizing`)."""
+    return resolve_tree_sizing(sizing, draft.config.tree_sizing, tree_budget is not None, compile_verify)
 
 
 def refuse_generate(self, *args, **kwargs):

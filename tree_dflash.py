@@ -9,6 +9,7 @@ transformers): the torch loops (`proposal_dflash.py`) and the MLX port build, cu
 
 import heapq
 import math
+import time
 from dataclasses import dataclass, field
 
 ATTENTION_FOR_TREES = ("eager", "sdpa")  # the implementations that take an arbitrary 4D mask
@@ -142,6 +143,16 @@ class VerifyCosts:
     tokens: list[int]
     seconds: list[float]
 
+    @classmethod
+    def given(cls, costs) -> "VerifyCosts":
+        """A caller's t(n): a `VerifyCosts`, or a mapping of verified tokens to seconds."""
+        return costs if isinstance(costs, VerifyCosts) else cls(sorted(costs), [costs[n] for n in sorted(costs)])
+
+    @staticmethod
+    def sizes_to_time(most_tokens: int) -> list[int]:
+        """The verify lengths a measurement times: 1, 2, 4, ... and `most_tokens`."""
+        return sorted({1 << i for i in range(max(most_tokens, 1).bit_length())} | {max(most_tokens, 1)})
+
     def __call__(self, n: int) -> float:
         points = list(zip(self.tokens, self.seconds))
         for (n0, t0), (n1, t1) in zip(points, points[1:]):
@@ -201,6 +212,63 @@ def best_nodes(values: list[float], width: int) -> list[int]:
     earlier node, so every chosen node's parent is chosen too."""
     ranked = sorted(range(1, len(values) + 1), key=lambda node: (-values[node - 1], node))
     return sorted(ranked[:width])
+
+
+class TreeSizer:
+    """Cuts each round's trees (a best-first draft tree plus its lookup branch) to the width that pays for its
+    verify (`tree_dflash.sized_width`), valuing each node by its calibrated chance of acceptance: the draft's path
+    probability times the ratio of accepted to expected draft nodes so far, and for lookup nodes the rate at which
+    the call's lookup tokens were accepted, to the power of their depth (both with a prior)."""
+
+    def __init__(self, costs):
+        self.costs, self.started = costs, None
+        self.draft, self.lookup = AcceptanceCalibration(), AcceptanceCalibration(prior_rate=0.5)
+
+    def start_draft(self) -> None:
+        self.started = time.perf_counter()
+
+    def cut(self, trees: list[DraftTree], branches: list[list[int]]) -> tuple[list[DraftTree], list[float]]:
+        """The trees with their branches, cut to one width; and each row's expected acceptance length (the bonus
+        token included)."""
+        draft_seconds = time.perf_counter() - self.started
+        merged = [tree.with_branch(branch) for tree, branch in zip(trees, branches)]
+        values = [
+            node_values(tree, len(drafted.tokens), branch, self.draft.factor, self.lookup.factor)
+            for tree, drafted, branch in zip(merged, trees, branches)
+        ]
+        width = sized_width([sorted(v, reverse=True) for v in values], self.costs, draft_seconds)
+        kept = [best_nodes(v, width) for v in values]
+        self.rounds = []  # per row: the kept draft nodes' expected acceptance, its kept lookup nodes, and more
+        for tree, drafted, branch, nodes in zip(merged, trees, branches, kept):
+            chosen = set(nodes)
+            predicted = sum(math.exp(score) for n, score in enumerate(drafted.log_probs, 1) if n in chosen)
+            lookup_nodes = set(tree.branch_nodes(branch)) & chosen
+            self.rounds.append((predicted, lookup_nodes, len(drafted.tokens), nodes))
+        cut = [tree.subtree(nodes) for tree, nodes in zip(merged, kept)]
+        return cut, [1 + sum(v[n - 1] for n in nodes) for v, nodes in zip(values, kept)]
+
+    def accepted(self, paths: list[list[int]]) -> None:
+        """Feeds back each row's accepted path (node numbers of the cut tree)."""
+        for path, (predicted, lookup_nodes, drafted, nodes) in zip(paths, self.rounds):
+            accepted = [nodes[node - 1] for node in path[1:]]  # back to the uncut tree's numbers
+            self.draft.update(predicted, sum(node <= drafted for node in accepted))
+            self.lookup.update(len(lookup_nodes), len(lookup_nodes & set(accepted)))
+
+
+def resolve_tree_sizing(asked: str | None, configured: str | None, has_tree: bool, one_shape: bool = False) -> str:
+    """A call's tree sizing, `"cost"` or `"fixed"`: `asked`, else the draft config's, else fixed. The config's cost
+    sizing steps aside for the chain and a verify compiled to one shape (`one_shape`); an explicit one is refused."""
+    sizing = asked or configured or "fixed"
+    if sizing not in ("cost", "fixed"):
+        raise ValueError(f"tree_sizing must be 'cost' or 'fixed', got {sizing!r}")
+    if sizing == "cost" and (not has_tree or one_shape):
+        if asked is not None:
+            raise ValueError(
+                "tree_sizing='cost' cuts a draft tree to what its verify costs; "
+                + ("compile_verify=True verifies one shape every round" if one_shape else "set tree_budget")
+            )
+        return "fixed"
+    return sizing
 
 
 def config_tree(nodes: int | None, *, adaptive: bool, selector: bool, recurrent: bool) -> int | None:

@@ -17,6 +17,7 @@ import contextlib
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +32,15 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from common.checks import check_model_path
 from configuration_dflash import check_fits_target, check_sampling, first_stop
-from tree_dflash import DraftTree, best_first, config_tree, prompt_lookup
+from tree_dflash import DraftTree, TreeSizer, VerifyCosts, best_first, config_tree, prompt_lookup, resolve_tree_sizing
 
 from .model import Model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the model repo: its draft is the default
 Sampler = Callable[[mx.array], mx.array]
 TRIMMABLE_CACHES = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+MEASURED: dict[int, VerifyCosts] = {}  # id(model) -> its t(n) on this process's device, as torch's `cost_dflash`
+COST_CONTEXT = 64  # cached tokens each timed pass attends to
 
 
 @dataclass
@@ -329,6 +332,38 @@ def keep_path(cache: list, start: int, path: list[int], size: int) -> None:
         trim(c, size - len(path))
 
 
+def target_costs(model: nn.Module, most_tokens: int, costs=None) -> VerifyCosts:
+    """The call's t(n): `costs` when given (a `VerifyCosts` or a mapping of tokens to seconds), else the table kept
+    for this target, measured now up to `most_tokens` if it does not reach that far."""
+    if costs is not None:
+        return VerifyCosts.given(costs)
+    kept = MEASURED.get(id(model))
+    if kept is None or kept.tokens[-1] < most_tokens:
+        if kept is None:
+            weakref.finalize(model, MEASURED.pop, id(model), None)
+        kept = MEASURED[id(model)] = measure_verify_costs(model, most_tokens)
+    return kept
+
+
+def measure_verify_costs(model: nn.Module, most_tokens: int, repeats: int = 2) -> VerifyCosts:
+    """The fastest of `repeats` timed passes over each of `VerifyCosts.sizes_to_time` tokens after `COST_CONTEXT`
+    cached ones, each trimmed back after timing."""
+    sizes = VerifyCosts.sizes_to_time(most_tokens)
+    ids = mx.random.randint(0, model.model.embed_tokens.weight.shape[0], (1, COST_CONTEXT + sizes[-1]))
+    cache = make_prompt_cache(model)
+    mx.eval(model(ids[:, :COST_CONTEXT], cache=cache), [c.state for c in cache])
+
+    def timed(n: int) -> float:
+        tic = time.perf_counter()
+        mx.eval(model(ids[:, COST_CONTEXT : COST_CONTEXT + n], cache=cache))
+        seconds = time.perf_counter() - tic
+        for c in cache:
+            trim(c, n)
+        return seconds
+
+    return VerifyCosts(sizes, [min(timed(n) for _ in range(repeats)) for n in sizes])
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The loop.
 
@@ -345,6 +380,8 @@ def dflash_generate_step(
     tree_budget: int | None = None,
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int = 2,
+    tree_sizing: str | None = None,
+    verify_costs: Any = None,
 ) -> Generator[tuple[list[int], int], None, None]:
     """Yields `(tokens, accepted)` per round without end: first the prefill's token, then each verified block.
 
@@ -362,6 +399,11 @@ def dflash_generate_step(
         prompt_lookup_num_tokens, max_matching_ngram_size: also verify, as one more branch of the tree, up to this
             many tokens that followed an earlier occurrence of the last n committed tokens (transformers'
             prompt-lookup rule); None: the draft config's.
+        tree_sizing: `"cost"` cuts each round's tree to the width that maximises expected committed tokens per second
+            on this machine, by torch's rule (`tree_dflash.TreeSizer`); `"fixed"` verifies `tree_budget` nodes; None:
+            the draft config's, else fixed.
+        verify_costs: t(n) for cost sizing (a `tree_dflash.VerifyCosts` or a mapping of tokens to seconds); None:
+            measured once per target at the first call and kept for the process.
     """
     block_size = block_size or draft.args.block_size
     check_generation_inputs(prompt, block_size)
@@ -369,6 +411,8 @@ def dflash_generate_step(
     cache = make_prompt_cache(model)
     is_hybrid = check_target_cache(cache)
     budget, lookup = resolve_tree_settings(draft, model, is_hybrid, tree_budget, prompt_lookup_num_tokens)
+    sizing = resolve_tree_sizing(tree_sizing, draft.args.dflash_config.get("tree_sizing"), budget is not None)
+    sizer = TreeSizer(target_costs(model, budget + 1 + lookup, verify_costs)) if sizing == "cost" else None
     history = prompt.tolist()  # what the lookup branch searches
     draft_cache = draft.make_cache(sliding_window_size)
     sampler = sampler or greedy_sampler
@@ -392,6 +436,8 @@ def dflash_generate_step(
 
     def draft_block(last: int, context: mx.array) -> mx.array | DraftTree:
         """The round's draft: the chain's tokens, or the tree to verify."""
+        if sizer:
+            sizer.start_draft()
         hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)[:, 1:]
         if draft.has_selector:  # DFlash 2: a walk over the head's top-k, with the call's sampler (greedy at 0)
             return draft.candidate_selector.walk(head(hidden), hidden, mx.array([last]), sample)[0]
@@ -402,7 +448,8 @@ def dflash_generate_step(
             if budget
             else DraftTree.chain(mx.argmax(head(hidden), axis=-1)[0].tolist())
         )
-        return tree.with_branch(prompt_lookup(history, lookup, max_matching_ngram_size)) if lookup else tree
+        branch = prompt_lookup(history, lookup, max_matching_ngram_size) if lookup else []
+        return sizer.cut([tree], [branch])[0][0] if sizer else tree.with_branch(branch) if branch else tree
 
     def verify_tree(last: int, tree: DraftTree) -> tuple[list[int], mx.array]:
         """The tokens the tree's accepted path commits, and that path's target features."""
@@ -410,6 +457,8 @@ def dflash_generate_step(
         with tree_attention(model, cache, tree, start):
             chosen = sample(model(mx.array([[last] + tree.tokens]), cache=cache)[0]).tolist()
         path = tree.accept(chosen)
+        if sizer:
+            sizer.accepted([path])
         features = context_features(outputs, layer_ids)[:, mx.array(path)]
         keep_path(cache, start, path, size)
         return [tree.node_token(node) for node in path[1:]] + [chosen[path[-1]]], features
@@ -471,6 +520,8 @@ def stream_generate(
     tree_budget: int | None = None,
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int = 2,
+    tree_sizing: str | None = None,
+    verify_costs: Any = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generates with `model`, drafting blocks with `draft`; like mlx_lm's `stream_generate`, one response per round.
 
@@ -478,7 +529,8 @@ def stream_generate(
     `sampler` (mlx-lm's `make_sampler`) overrides `temperature`. Generation ends at the first of the tokenizer's
     `eos_token_ids`, even inside a block, or after exactly `max_tokens` tokens. `tree_budget` and
     `prompt_lookup_num_tokens` (None: the draft config's, as in torch; 0: off) verify a draft tree and a lookup
-    branch instead of the chain (`dflash_generate_step`).
+    branch instead of the chain, and `tree_sizing="cost"` cuts the tree to what its verify costs here
+    (`dflash_generate_step`).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -497,6 +549,8 @@ def stream_generate(
         tree_budget=tree_budget,
         prompt_lookup_num_tokens=prompt_lookup_num_tokens,
         max_matching_ngram_size=max_matching_ngram_size,
+        tree_sizing=tree_sizing,
+        verify_costs=verify_costs,
     )
     detokenizer, stops, num_tokens = tokenizer.detokenizer, tokenizer.eos_token_ids, 0
     with wired_limit(model, [generation_stream]):
@@ -593,6 +647,13 @@ def configure_parser() -> argparse.ArgumentParser:
         default=None,
         help="Tokens of a prompt-lookup branch verified each round (0: none; default: the draft's config).",
     )
+    parser.add_argument(
+        "--tree-sizing",
+        choices=("cost", "fixed"),
+        default=None,
+        help="cost: cut each round's tree to what its verify costs on this machine; fixed: verify --tree-budget nodes "
+        "(default: the draft's config, else fixed).",
+    )
     parser.add_argument("--sliding-window-size", type=int, default=None, help="Bound on the draft's context cache.")
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--ignore-chat-template", action="store_true", help="Use the prompt as it is.")
@@ -642,6 +703,7 @@ def main() -> None:
         sampler=sampler,
         tree_budget=args.tree_budget,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        tree_sizing=args.tree_sizing,
     )
     responses = []
     for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):

@@ -491,14 +491,30 @@ def test_oracle_acceptance_matches_torch(target_dir, target, draft_dir):
 REPEATING = list(range(10, 30)) + list(range(10, 20))  # the lookup branch finds its continuation
 
 
-@pytest.mark.parametrize("budget, lookup", [(1, 0), (4, 0), (16, 0), (4, 5), (0, 5)])
-def test_tree_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, draft, budget, lookup):
+# t(n) in units far above a draft pass's seconds, so torch and MLX cut each round to the same width
+LINEAR_COSTS = {1: 10.0, 64: 40.0}
+
+
+@pytest.mark.parametrize(
+    "budget, lookup, costs",
+    [
+        (1, 0, None),
+        (4, 0, None),
+        (16, 0, None),
+        (4, 5, None),
+        (0, 5, None),
+        (16, 0, LINEAR_COSTS),
+        (8, 5, LINEAR_COSTS),
+    ],
+)
+def test_tree_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, draft, budget, lookup, costs):
     """The same draft and target: the MLX tree (and lookup branch) verify gives torch's tokens and acceptance
-    lengths, and mlx-lm's greedy output."""
+    lengths, and mlx-lm's greedy output; with `costs`, both cut every round by the same cost rule."""
     from transformers import AutoModelForCausalLM
 
     torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     torch_draft = DFlashDraftModel.from_pretrained(draft_dir).eval()
+    sizing = dict(tree_sizing="cost", verify_costs=costs) if costs else {}
     for prompt in (PROMPT, REPEATING):
         stats = torch_draft.spec_generate(
             torch_target,
@@ -508,12 +524,59 @@ def test_tree_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, d
             tree_budget=budget,
             prompt_lookup_num_tokens=lookup,
             return_stats=True,
+            **sizing,
         )
+        assert len(stats.expected_acceptance_lengths) == (len(stats.acceptance_lengths) if costs else 0)
         tokens, taus = run(
-            target, draft, prompt, block_size=8, max_tokens=30, tree_budget=budget, prompt_lookup_num_tokens=lookup
+            target,
+            draft,
+            prompt,
+            block_size=8,
+            max_tokens=30,
+            tree_budget=budget,
+            prompt_lookup_num_tokens=lookup,
+            **sizing,
         )
         assert tokens == stats.output_ids[0, len(prompt) :].tolist() == mlx_greedy(target, prompt, 30), f"{prompt}"
         assert taus == stats.acceptance_lengths, f"prompt {prompt}"
+
+
+def test_cost_sizing_follows_the_verify_cost(target, draft):
+    """A verify whose every extra token costs more than it can return is cut to the plain decode step (tau 1 every
+    round); a flat one keeps the whole tree, as fixed sizing does; both stay mlx-lm's greedy output."""
+    reference = mlx_greedy(target, REPEATING, 30)
+    settings = dict(block_size=8, max_tokens=30, tree_budget=8, prompt_lookup_num_tokens=5)
+    steep, steep_taus = run(target, draft, REPEATING, tree_sizing="cost", verify_costs={1: 1.0, 64: 1000.0}, **settings)
+    flat, flat_taus = run(target, draft, REPEATING, tree_sizing="cost", verify_costs={1: 1.0, 64: 1.0}, **settings)
+    fixed, fixed_taus = run(target, draft, REPEATING, tree_sizing="fixed", **settings)
+    assert steep == flat == fixed == reference
+    assert set(steep_taus) == {1} and len(steep_taus) == 29
+    assert flat_taus == fixed_taus and max(fixed_taus) > 1
+
+
+def test_runs_with_torch_unimportable(target_dir, target, draft, work):
+    """The port imports no torch at run time: with torch unimportable, a cost-sized tree with a lookup branch (the
+    verify costs measured on the spot) still gives mlx-lm's greedy output."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from mlx_lm.utils import load_model\n"
+        "from mlx_port import load_draft\n"
+        "from mlx_port.generate import dflash_generate_step\n"
+        "import mlx.core as mx\n"
+        "from pathlib import Path\n"
+        f"model = load_model(Path({str(target_dir)!r}))[0]\n"
+        f"draft = load_draft({str(work / 'draft-mlx')!r})\n"
+        f"prompt = mx.array({REPEATING!r}, dtype=mx.uint32)\n"
+        "steps = dflash_generate_step(prompt, model, draft, block_size=8, tree_budget=8, prompt_lookup_num_tokens=5,"
+        " tree_sizing='cost')\n"
+        "tokens = []\n"
+        "while len(tokens) < 30:\n"
+        "    tokens += next(steps)[0]\n"
+        "print(tokens[:30])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == str(mlx_greedy(target, REPEATING, 30))
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16])
