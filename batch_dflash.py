@@ -39,8 +39,8 @@ try:
         stop_ids,
         tree_plan,
     )
-    from .proposal_dflash import propose
-    from .tree_dflash import DraftTree, check_tree_supported, prompt_lookup
+    from .proposal_dflash import argmax_tokens, layer_masks, propose
+    from .tree_dflash import DraftTree, check_tree_supported, mask_layout, prompt_lookup
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
     from generation_dflash import (
@@ -58,8 +58,8 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         stop_ids,
         tree_plan,
     )
-    from proposal_dflash import propose
-    from tree_dflash import DraftTree, check_tree_supported, prompt_lookup
+    from proposal_dflash import argmax_tokens, layer_masks, propose
+    from tree_dflash import DraftTree, check_tree_supported, mask_layout, prompt_lookup
 
 
 def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -127,13 +127,6 @@ def select_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
             layer.keys, layer.values = layer.keys[keep], layer.values[keep]
 
 
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[b, q, k]` bool -> the `[b, 1, q, k]` additive mask transformers' attention takes."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        ~visible, torch.finfo(dtype).min
-    )[:, None]
-
-
 def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size: int) -> torch.Tensor:
     """Each row's `[b, block_size - 1, vocab']` draft logits over the draft's vocabulary (`head.vocab`), reading the
     rows' new context."""
@@ -154,18 +147,19 @@ def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size:
     return head.scores(hidden)
 
 
-def row_trees(logits, head, plan: TreePlan, warpers, histories: list[list[int]], sizer=None) -> list[DraftTree]:
+def row_trees(
+    logits, head, plan: TreePlan, warpers, histories: list[list[int]], sizer=None
+) -> tuple[list[DraftTree], list[float]]:
     """Each row's round: its argmax chain, or its best-first tree (cut to the width that pays, with a `sizer`) plus
-    its lookup branch (`histories`: each row's prompt and output, which the lookup searches)."""
+    its lookup branch (`histories`: each row's prompt and output, which the lookup searches); and with a `sizer`,
+    each row's expected acceptance length."""
     if plan.is_chain:
-        best = logits.max(dim=-1).indices
-        return [DraftTree.chain(row) for row in (best if head.vocab is None else head.vocab[best]).tolist()]
+        return [DraftTree.chain(row) for row in argmax_tokens(logits, head.vocab).tolist()], []
     trees = [propose(row_logits[None], plan.budget, warpers, head.vocab, plan.min_prob) for row_logits in logits]
     branches = [prompt_lookup(h, plan.lookup, plan.max_ngram) if plan.lookup else [] for h in histories]
     if sizer:
-        trees, sizer.estimates = sizer.cut(trees, branches)
-        return trees
-    return [tree.with_branch(branch) for tree, branch in zip(trees, branches)]
+        return sizer.cut(trees, branches)
+    return [tree.with_branch(branch) for tree, branch in zip(trees, branches)], []
 
 
 def verify_trees(target, cache, rows: Rows, trees: list[DraftTree]) -> torch.Tensor:
@@ -184,10 +178,14 @@ def verify_trees(target, cache, rows: Rows, trees: list[DraftTree]) -> torch.Ten
         visible[row, range(size, n), range(size, n)] = True
     ids = torch.tensor(ids, device=device)
     visible = torch.cat([rows.target_keys[:, None].expand(-1, n, -1), visible.to(device)], dim=2)
+    positions = rows.position[:, None] + torch.tensor(depths, device=device)
+    cached = rows.target_keys.cumsum(-1) - 1  # a row's visible slots hold its committed tokens in order
     out = target(
         input_ids=ids,
-        position_ids=rows.position[:, None] + torch.tensor(depths, device=device),
-        attention_mask=additive_mask(visible, target.dtype),
+        position_ids=positions,
+        attention_mask=layer_masks(
+            visible, positions, torch.cat([cached, positions], 1), target.dtype, mask_layout(target)
+        ),
         use_cache=True,
         **{cache_kwarg(target): cache},
     )
@@ -365,10 +363,9 @@ def batched_spec_generate(
                 sizer.start_draft()
             logits = draft_block(self, embed, head, rows, draft_cache, block_size)
             histories = [prompt_tokens[row] + outputs[row] for row in rows.ids.tolist()] if plan.lookup else []
-            trees = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids), sizer)
-            if sizer:
-                for row, estimate in zip(rows.ids.tolist(), sizer.estimates):
-                    expected[row].append(estimate)
+            trees, estimates = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids), sizer)
+            for row, estimate in zip(rows.ids.tolist(), estimates):
+                expected[row].append(estimate)
             verified = verify_trees(target, target_cache, rows, trees)
             chosen = pick(verified, rows.ids.tolist(), outputs, trees)
             chosen_ids = chosen.tolist()  # the round's device-to-host transfer

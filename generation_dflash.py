@@ -35,12 +35,13 @@ try:
     )
     from .configuration_dflash import check_fits_target, check_sampling, first_stop
     from .cost_dflash import verify_costs
-    from .proposal_dflash import propose, tree_attention_mask, tree_position_ids
+    from .proposal_dflash import argmax_tokens, propose, tree_attention_mask, tree_position_ids
     from .tree_dflash import (
         DraftTree,
         TreeSizer,
         check_tree_supported,
         config_tree,
+        mask_layout,
         prompt_lookup,
         resolve_tree_sizing,
     )
@@ -58,12 +59,13 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     )
     from configuration_dflash import check_fits_target, check_sampling, first_stop
     from cost_dflash import verify_costs
-    from proposal_dflash import propose, tree_attention_mask, tree_position_ids
+    from proposal_dflash import argmax_tokens, propose, tree_attention_mask, tree_position_ids
     from tree_dflash import (
         DraftTree,
         TreeSizer,
         check_tree_supported,
         config_tree,
+        mask_layout,
         prompt_lookup,
         resolve_tree_sizing,
     )
@@ -612,8 +614,7 @@ def chain_proposal(draft, logits, hidden, last_token, warpers, generator=None, v
     DFlash 2 selector's walk, greedy, or sampled from its warped scores when the call samples (as z-lab's reference).
     `vocab` maps the columns of `logits` to token ids when they cover only the draft's vocabulary."""
     if not draft.has_selector:
-        best = logits.max(dim=-1).indices
-        return best if vocab is None else vocab[best]
+        return argmax_tokens(logits, vocab)
     return choose_block(
         draft, logits, hidden, last_token, lambda scores: pick_tokens(scores[:, None], warpers, generator)[:, 0]
     )
@@ -832,6 +833,7 @@ def spec_generate(
     step_head, vocab = (head, None) if self.has_selector else (head.scores, head.vocab)
     cache_name = cache_kwarg(target)
     draft_cache, kv_slots = DynamicCache(), static_length(target_cache)  # a tree mask spans a static cache's slots
+    layout = mask_layout(target)
     input_ids = input_ids.to(target.device)
     prompt_len = input_ids.shape[1]
     prompt = input_ids[0].tolist() if lookup else []
@@ -868,7 +870,7 @@ def spec_generate(
                 drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
                 verify_ids = torch.cat([last, drafted], dim=1)
                 positions = tree_position_ids(tree, start, input_ids.device)
-                mask = tree_attention_mask(tree, start, target.dtype, input_ids.device, kv_slots)
+                mask = tree_attention_mask(tree, start, target.dtype, input_ids.device, kv_slots, layout)
             if isinstance(target_cache, RollbackCache):
                 target_cache.save(verify_ids)
             out = verify(

@@ -7,7 +7,9 @@ tree whose every node has one child, so both decoding modes share this code. Fra
 transformers): the torch loops (`proposal_dflash.py`) and the MLX port build, cut and walk trees by the same rules.
 """
 
+import functools
 import heapq
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -225,6 +227,7 @@ class TreeSizer:
         self.draft, self.lookup = AcceptanceCalibration(), AcceptanceCalibration(prior_rate=0.5)
 
     def start_draft(self) -> None:
+        """Marks a round's start: its draft time runs from here through building its trees to `cut`."""
         self.started = time.perf_counter()
 
     def cut(self, trees: list[DraftTree], branches: list[list[int]]) -> tuple[list[DraftTree], list[float]]:
@@ -310,13 +313,41 @@ def check_tree_supported(
             f"{what} verification places tokens in cache slots other than their positions, and this target scales "
             f"attention by the slot (attn_temperature_tuning); {instead}."
         )
-    window = getattr(config, "sliding_window", None)
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
-        config, "use_sliding_window", True
-    )
-    if window is not None and sliding and final_length > window:
+    window, mixed = attention_window(config)
+    if window is not None and final_length > window and mask_layout(target)[0] is None:
         raise ValueError(
-            f"{what} verification replaces the target's sliding-window mask ({window} tokens) with a {what} mask, "
-            f"which is exact only while the sequence fits the window; this call may reach {final_length} tokens. "
-            f"Generate fewer tokens or {instead}."
+            f"{what} verification past the target's sliding window ({window} tokens) needs a mask per layer type, "
+            f"and {type(target).__name__}'s forward takes one mask for its sliding and full layers alike; this call "
+            f"may reach {final_length} tokens. Generate fewer tokens or {instead}."
         )
+
+
+def attention_window(config) -> tuple[int | None, bool]:
+    """The target's sliding window (None: none) and whether only some of its layers slide (the rest full)."""
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None) or []
+    if window is None or (types and "sliding_attention" not in types):
+        return None, False
+    if not types and not getattr(config, "use_sliding_window", True):
+        return None, False
+    return window, any(kind != "sliding_attention" for kind in types)
+
+
+def mask_layout(target) -> tuple[int | None, bool]:
+    """How a verify's mask must window the target's attention: `(window, by_layer_type)`. A target whose layers all
+    slide gets one windowed mask, one that mixes sliding and full layers a mapping of both by layer type where its
+    forward takes one, else its full mask (exact while the sequence fits the window, which `check_tree_supported`
+    enforces); `(None, False)`: no window."""
+    window, mixed = attention_window(target.config.get_text_config())
+    if mixed and not takes_masks_by_layer_type(type(getattr(target, "model", target))):
+        return None, False
+    return window, mixed
+
+
+@functools.cache
+def takes_masks_by_layer_type(decoder: type) -> bool:
+    """Whether a decoder class takes a mapping of masks by layer type, as transformers' models that mix sliding and
+    full layers do (`causal_mask_mapping`), read from its forward's source."""
+    try:
+        return "causal_mask_mapping" in inspect.getsource(decoder.forward)
+    except (OSError, TypeError):
+        return False

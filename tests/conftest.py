@@ -29,6 +29,10 @@ TARGET_CONFIGS = {
 }
 
 
+# sliding-window targets (window 8): every layer slides, or the last two of four
+ALL_WINDOW = {"arch": "mistral", "sliding_window": 8}
+MIXED_WINDOW = {"arch": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+
 # draft config changes that do not fit the tiny target, with the error each must raise
 MISMATCHES = [
     ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match the target's 64"),

@@ -3,6 +3,8 @@
 import pytest
 import torch
 from conftest import (
+    ALL_WINDOW,
+    MIXED_WINDOW,
     VOCAB,
     OracleDraft,
     chi_square_p_value,
@@ -22,6 +24,8 @@ from transformers import (
     StoppingCriteriaList,
     TemperatureLogitsWarper,
 )
+
+import tree_dflash
 
 PAD = 0
 
@@ -257,15 +261,32 @@ def test_rows_that_end_at_the_prefill_or_in_the_first_round(max_new):
     "target_kwargs, message",
     [
         ({"attn": "flash_attention_2"}, "batch verification needs an attention implementation that takes a custom 4D"),
-        ({"arch": "mistral", "sliding_window": 16}, "batch verification replaces the target's sliding-window mask"),
+        (MIXED_WINDOW, "batch verification past the target's sliding window .* needs a mask per layer type"),
     ],
 )
-def test_a_target_whose_attention_cannot_take_the_batch_mask_is_refused(target_kwargs, message):
+def test_a_target_whose_attention_cannot_take_the_batch_mask_is_refused(target_kwargs, message, monkeypatch):
+    monkeypatch.setattr(tree_dflash, "takes_masks_by_layer_type", lambda decoder: False)
     target, calls = watched_target(**target_kwargs)
     ids, mask = left_pad(PROMPTS)
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target, ids, attention_mask=mask, max_new_tokens=32)
     assert not calls, "the target ran before the error"
+
+
+@pytest.mark.parametrize("target_kwargs", [ALL_WINDOW, MIXED_WINDOW], ids=["all", "mixed"])
+def test_rows_stay_exact_past_a_sliding_window(target_kwargs, row_ids_to_oracle):
+    """Far past the window (8 tokens), with holes where rows rejected drafts: every k forced on every row, and each
+    row's tree with a lookup branch, windowed by each key's position in its row; output equals plain greedy."""
+    target, block_size, max_new = make_target(**target_kwargs), 6, 30
+    references = [p + e for p, e in zip(PROMPTS, expected_rows(target, PROMPTS, max_new + block_size))]
+    draft = BatchOracle(make_draft_config()).eval().setup_rows(target, references, block_size)
+    ids, mask = left_pad(PROMPTS)
+    settings = dict(attention_mask=mask, max_new_tokens=max_new, stop_token_ids=None)
+    out = draft.spec_generate(target, ids, block_size=block_size, **settings)
+    assert new_tokens(out, ids.shape[1], [max_new] * 3) == expected_rows(target, PROMPTS, max_new)
+    assert {k for ks in draft.ks for k in ks.values()} == set(range(block_size))
+    out = make_draft().spec_generate(target, ids, tree_budget=6, prompt_lookup_num_tokens=4, **settings)
+    assert new_tokens(out, ids.shape[1], [max_new] * 3) == expected_rows(target, PROMPTS, max_new)
 
 
 def test_a_draft_with_sliding_window_layers_is_refused_in_both_batch_routes():

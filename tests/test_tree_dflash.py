@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    ALL_WINDOW,
+    MIXED_WINDOW,
     VOCAB,
     OracleDraft,
     SecondChoiceDraft,
@@ -23,9 +25,10 @@ from conftest import (
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper
 
 import generation_dflash
+import tree_dflash
 from cache_dflash import cache_kwarg, compact_cache
 from proposal_dflash import ancestors, build_tree, propose, tree_attention_mask, tree_position_ids
-from tree_dflash import DraftTree, prompt_lookup
+from tree_dflash import DraftTree, mask_layout, prompt_lookup
 
 
 def cached_pass(target, cache: DynamicCache, **kwargs) -> None:
@@ -269,20 +272,23 @@ def test_draft_config_sets_the_default_budget_and_zero_asks_for_the_chain():
         ({}, {"tree_budget": -1}, "tree_budget must be at least 1"),
         ({}, {"tree_budget": 4, "block_size_schedule": "heuristic"}, "adapts a chain"),
         ({"attn": "flash_attention_2"}, {"tree_budget": 4}, "takes a custom 4D mask"),
-        ({"arch": "mistral", "sliding_window": 16}, {"tree_budget": 4}, "sliding-window mask"),
+        (MIXED_WINDOW, {"tree_budget": 4}, "needs a mask per layer type"),
     ],
 )
-def test_unsupported_tree_requests_fail_before_compute(target_kwargs, kwargs, message):
+def test_unsupported_tree_requests_fail_before_compute(target_kwargs, kwargs, message, monkeypatch):
+    monkeypatch.setattr(tree_dflash, "takes_masks_by_layer_type", lambda decoder: False)
     target, calls = watched_target(**target_kwargs)
     with pytest.raises(ValueError, match=message):
         make_draft().spec_generate(target=target, input_ids=torch.tensor([[5, 6]]), max_new_tokens=32, **kwargs)
     assert not calls, "the target ran before the error"
 
 
-def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
-    """A config's tree is a default: for a sliding-window target the call could outgrow (or attention without a 4D
-    mask), the chain is verified, with a warning, and output stays exact; an explicit tree_budget still raises."""
-    target = make_target("mistral", sliding_window=16)
+def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it(monkeypatch):
+    """A config's tree is a default: for a target that mixes sliding and full layers but takes one mask for both,
+    which the call could outgrow (or attention without a 4D mask), the chain is verified, with a warning, and output
+    stays exact; an explicit tree_budget still raises."""
+    monkeypatch.setattr(tree_dflash, "takes_masks_by_layer_type", lambda decoder: False)
+    target = make_target(**MIXED_WINDOW)
     ids = torch.tensor([[5, 6, 7]])
     expected = greedy_reference(target, ids, 32)
     lengths = []
@@ -292,12 +298,12 @@ def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
     draft = OracleDraft(make_draft_config()).eval().setup(target, expected, 3)
     draft.config.tree_budget = 4
     with pytest.warns(
-        UserWarning, match="verifying the argmax chain instead of the draft config's tree of 4: .*sliding-window"
+        UserWarning, match="verifying the argmax chain instead of the draft config's tree of 4: .*mask per layer type"
     ) as record:
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32)
     assert record[0].filename == __file__, "the warning points at the caller's line"
     assert torch.equal(out, expected) and set(lengths[1:]) == {8}, lengths  # chains of the whole block
-    with pytest.raises(ValueError, match="sliding-window mask"):
+    with pytest.raises(ValueError, match="needs a mask per layer type"):
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32, tree_budget=4)
     fa2 = make_target("llama")
     fa2.config._attn_implementation_internal = "flash_attention_2"  # only read: the decision comes before any pass
@@ -309,11 +315,35 @@ def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it():
         3,
     )  # a config's lookup branch steps aside too
     lengths.clear()
-    with pytest.warns(UserWarning, match="instead of the draft config's prompt_lookup_num_tokens=3: .*sliding-window"):
+    with pytest.warns(
+        UserWarning, match="instead of the draft config's prompt_lookup_num_tokens=3: .*mask per layer type"
+    ):
         out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32)
     assert torch.equal(out, expected) and set(lengths[1:]) == {8}, lengths
-    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=3.*sliding-window mask"):
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=3.*needs a mask per layer type"):
         draft.spec_generate(target=target, input_ids=ids, max_new_tokens=32, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("target_kwargs, by_type", [(ALL_WINDOW, False), (MIXED_WINDOW, True)], ids=["all", "mixed"])
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_trees_stay_exact_past_a_sliding_window(target_kwargs, by_type, k):
+    """Far past the window (8 tokens), a tree and a lookup branch verified with the window applied to the mask (to
+    every layer, or by layer type where only some slide) give plain greedy output, for a draft right for k tokens;
+    the masks hid cached keys outside the window."""
+    target = make_target(**target_kwargs)
+    ids = torch.tensor([[5, 6, 7]])
+    expected = greedy_reference(target, ids, 40)
+    masks = []
+    target.register_forward_pre_hook(
+        lambda m, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    draft = OracleDraft(make_draft_config()).eval().setup(target, expected, k)
+    out = draft.spec_generate(target, ids, max_new_tokens=40, tree_budget=4, prompt_lookup_num_tokens=3)
+    assert torch.equal(out, expected)
+    assert mask_layout(target) == (8, by_type)
+    sliding = [m["sliding_attention"] if by_type else m for m in masks[1:]]
+    hidden = [(mask[0, 0, :, : mask.shape[-1] - mask.shape[-2]] < 0).any() for mask in sliding]
+    assert any(hidden) and all(hidden[-5:]), "late verifies must hide keys outside the window"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
