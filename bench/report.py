@@ -198,16 +198,21 @@ def markdown(result: dict) -> str:
 
 def batch_markdown(result: dict) -> str:
     lines = [
-        "| batch | DFlash tok/s | plain batched tok/s | DFlash vs plain | vs one prompt at a time | rows differing "
-        "from plain / one at a time |",
-        "|---|---|---|---|---|---|",
+        "| batch | DFlash tok/s | cost-sized tok/s | plain batched tok/s | DFlash vs plain | cost-sized vs plain | "
+        "vs one prompt at a time | rows differing from plain (not at a tie) / one at a time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        alone, dflash = r["one_at_a_time_tokens_per_second"], r["dflash_tokens_per_second"]
+        alone, dflash, plain = (
+            r["one_at_a_time_tokens_per_second"],
+            r["dflash_tokens_per_second"],
+            r["plain_tokens_per_second"],
+        )
+        cost = r["cost_sized_tokens_per_second"]
         lines.append(
-            f"| {r['batch_size']} | {dflash:.2f} | {r['plain_tokens_per_second']:.2f} | "
-            f"{dflash / r['plain_tokens_per_second']:.2f}x | {dflash / alone:.2f}x | "
-            f"{r['rows_differing_from_plain']} / {r['rows_differing_from_one_at_a_time']} |"
+            f"| {r['batch_size']} | {dflash:.2f} | {cost:.2f} | {plain:.2f} | {dflash / plain:.2f}x | "
+            f"{cost / plain:.2f}x | {dflash / alone:.2f}x | {r['rows_differing_from_plain']} "
+            f"({r['rows_differing_from_plain_not_at_a_tie']}) / {r['rows_differing_from_one_at_a_time']} |"
         )
     return "\n".join(lines)
 
