@@ -144,6 +144,8 @@ def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size:
     ).last_hidden_state[:, 1:]
     drop_last(cache, block_size)  # the cache keeps committed context only
     rows.draft_keys = torch.cat([rows.draft_keys, rows.context_keys], dim=1)
+    rows.context, rows.context_keys = rows.context[:, :0], rows.context_keys[:, :0]
+    rows.context_positions = rows.context_positions[:, :0]
     return head.scores(hidden)
 
 
@@ -264,8 +266,11 @@ def commit(rows: Rows, cache: DynamicCache, features: torch.Tensor, paths: list[
     lengths = torch.tensor([len(path) for path in paths], device=device)
     kept = torch.arange(width, device=device)[None] < lengths[:, None]
     rows.target_keys = torch.cat([rows.target_keys, kept], dim=1)
-    rows.context = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
-    rows.context_keys, rows.context_positions = kept, rows.position[:, None] + torch.arange(width, device=device)
+    fresh = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
+    rows.context = torch.cat([rows.context, fresh], dim=1)  # after the features the draft has not read yet
+    rows.context_keys = torch.cat([rows.context_keys, kept], dim=1)
+    positions = rows.position[:, None] + torch.arange(width, device=device)
+    rows.context_positions = torch.cat([rows.context_positions, positions], dim=1)
     rows.last = chosen.gather(1, index.gather(1, lengths[:, None] - 1))
     rows.position = rows.position + lengths
 
@@ -359,11 +364,15 @@ def batched_spec_generate(
         rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
         sizer, expected = plan.sizer(target, batch), [[] for _ in range(batch)]
         while rows.ids.numel():
-            if sizer:
-                sizer.start_draft()
-            logits = draft_block(self, embed, head, rows, draft_cache, block_size)
-            histories = [prompt_tokens[row] + outputs[row] for row in rows.ids.tolist()] if plan.lookup else []
-            trees, estimates = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids), sizer)
+            drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
+            if drafting:
+                if sizer:
+                    sizer.start_draft()
+                logits = draft_block(self, embed, head, rows, draft_cache, block_size)
+                histories = [prompt_tokens[row] + outputs[row] for row in rows.ids.tolist()] if plan.lookup else []
+                trees, estimates = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids), sizer)
+            else:  # a plain decode step for every row
+                trees, estimates = [DraftTree.chain([])] * len(rows.ids), [1.0] * len(rows.ids)
             for row, estimate in zip(rows.ids.tolist(), estimates):
                 expected[row].append(estimate)
             verified = verify_trees(target, target_cache, rows, trees)
@@ -372,7 +381,7 @@ def batched_spec_generate(
             paths = [tree.accept(cs) for tree, cs in zip(trees, chosen_ids)]
             if align_rows:  # the target's choice after the shortest path is every row's own next token
                 paths = [path[: min(map(len, paths))] for path in paths]
-            if sizer:
+            if sizer and drafting:
                 sizer.accepted(paths)
             for row, tree, cs, path in zip(rows.ids.tolist(), trees, chosen_ids, paths):
                 outputs[row] += [tree.node_token(node) for node in path[1:]] + [cs[path[-1]]]

@@ -852,17 +852,23 @@ def spec_generate(
 
         block, sizer, expected = block_size, plan.sizer(target, 1), []
         while not ending.done(new_tokens):
-            if sizer:
+            drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
+            if sizer and drafting:
                 sizer.start_draft()
-            logits, hidden = draft_step(self, embed, step_head, last, context, start, draft_cache, block)
+            if drafting:
+                logits, hidden = draft_step(self, embed, step_head, last, context, start, draft_cache, block)
             if tree_budget is None and not lookup:  # the chain: drafted and chosen tokens come to the host together
                 proposal = chain_proposal(self, logits, hidden, last, warpers, generator, vocab)
                 verify_ids = torch.cat([last, proposal], dim=1)
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
-                tree = propose(logits, tree_budget, warpers, vocab, tree_min_prob)
-                branch = prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size) if lookup else []
-                if sizer:
+                tree = propose(logits, tree_budget, warpers, vocab, tree_min_prob) if drafting else DraftTree.chain([])
+                branch = (
+                    prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size) if lookup and drafting else []
+                )
+                if not drafting:  # a plain decode step
+                    expected.append(1.0)
+                elif sizer:
                     (tree,), estimate = sizer.cut([tree], [branch])
                     expected += estimate
                 elif branch:
@@ -885,13 +891,14 @@ def spec_generate(
             drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]
             tree = DraftTree.chain(drafted) if tree_budget is None and not lookup else tree
             path = tree.accept(chosen_ids)
-            if sizer:
+            if sizer and drafting:
                 sizer.accepted([path])
             new_tokens += [tree.node_token(node) for node in path[1:]] + [chosen_ids[path[-1]]]
             acceptance_lengths.append(len(path))
             # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
             compact_cache(target_cache, start, path)
-            context, last = features.pop(path), chosen[:, path[-1] : path[-1] + 1]
+            fresh, last = features.pop(path), chosen[:, path[-1] : path[-1] + 1]
+            context = fresh if drafting else torch.cat([context, fresh], dim=1)  # what the draft has not read yet
             start += len(path)
             if block_size_schedule == "heuristic":
                 block = next_block_size(block, len(path) - 1, block_size)

@@ -188,15 +188,15 @@ def sized_width(row_values: list[list[float]], cost: VerifyCosts, draft_seconds:
     descending order): the `w` that maximises expected committed tokens per second, `(rows + sum of the rows' first
     w values) / (draft_seconds + t(rows * (w + 1)))`, every row padded to `w` in the packed verify. `w = 0` is a
     plain decode step."""
-    rows, widest = len(row_values), max(map(len, row_values), default=0)
-    expected, best, best_rate = float(rows), 0, -1.0
-    for width in range(widest + 1):
-        if width:
-            expected += sum(values[width - 1] for values in row_values if len(values) >= width)
-        rate = expected / (draft_seconds + cost(rows * (width + 1)))
-        if rate > best_rate:
-            best, best_rate = width, rate
-    return best
+    widest = max(map(len, row_values), default=0)
+    rates = [committed_rate(row_values, width, cost, draft_seconds) for width in range(widest + 1)]
+    return rates.index(max(rates))  # the first best: ties go to the smaller verify
+
+
+def committed_rate(row_values: list[list[float]], width: int, cost: VerifyCosts, draft_seconds: float) -> float:
+    """Expected committed tokens per second when each row verifies its first `width` nodes (`sized_width`)."""
+    expected = len(row_values) + sum(sum(values[:width]) for values in row_values)
+    return expected / (draft_seconds + cost(len(row_values) * (width + 1)))
 
 
 def node_values(tree: "DraftTree", drafted: int, branch: list[int], draft_factor: float, lookup_rate: float):
@@ -220,11 +220,26 @@ class TreeSizer:
     """Cuts each round's trees (a best-first draft tree plus its lookup branch) to the width that pays for its
     verify (`tree_dflash.sized_width`), valuing each node by its calibrated chance of acceptance: the draft's path
     probability times the ratio of accepted to expected draft nodes so far, and for lookup nodes the rate at which
-    the call's lookup tokens were accepted, to the power of their depth (both with a prior)."""
+    the call's lookup tokens were accepted, to the power of their depth (both with a prior).
+
+    A round whose best verify, draft time included, commits tokens slower than a plain decode step would have makes
+    the next 1, then 2, 4, ... (at most `MAX_SKIP`) rounds plain steps without a draft pass (`drafts`), until a
+    drafted round pays again: a draft that cannot pay on this machine costs a draft pass now and then."""
+
+    MAX_SKIP = 32
 
     def __init__(self, costs):
         self.costs, self.started = costs, None
         self.draft, self.lookup = AcceptanceCalibration(), AcceptanceCalibration(prior_rate=0.5)
+        self.skip, self.backoff = 0, 1
+
+    def drafts(self) -> bool:
+        """Whether this round drafts; if not, it verifies each row's next token alone and calls neither `cut` nor
+        `accepted`."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
 
     def start_draft(self) -> None:
         """Marks a round's start: its draft time runs from here through building its trees to `cut`."""
@@ -239,7 +254,9 @@ class TreeSizer:
             node_values(tree, len(drafted.tokens), branch, self.draft.factor, self.lookup.factor)
             for tree, drafted, branch in zip(merged, trees, branches)
         ]
-        width = sized_width([sorted(v, reverse=True) for v in values], self.costs, draft_seconds)
+        ranked = [sorted(v, reverse=True) for v in values]
+        width = sized_width(ranked, self.costs, draft_seconds)
+        self.pace(committed_rate(ranked, width, self.costs, draft_seconds) > len(values) / self.costs(len(values)))
         kept = [best_nodes(v, width) for v in values]
         self.rounds = []  # per row: the kept draft nodes' expected acceptance, its kept lookup nodes, and more
         for tree, drafted, branch, nodes in zip(merged, trees, branches, kept):
@@ -249,6 +266,14 @@ class TreeSizer:
             self.rounds.append((predicted, lookup_nodes, len(drafted.tokens), nodes))
         cut = [tree.subtree(nodes) for tree, nodes in zip(merged, kept)]
         return cut, [1 + sum(v[n - 1] for n in nodes) for v, nodes in zip(values, kept)]
+
+    def pace(self, paid: bool) -> None:
+        """After a drafted round: back to drafting every round if it paid, else skip the next rounds, twice as many
+        as the last time."""
+        if paid:
+            self.backoff = 1
+        else:
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_SKIP)
 
     def accepted(self, paths: list[list[int]]) -> None:
         """Feeds back each row's accepted path (node numbers of the cut tree)."""

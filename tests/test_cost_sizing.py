@@ -11,9 +11,9 @@ import torch
 from conftest import greedy_reference, make_draft, make_target, watched_target
 
 import cost_dflash
-from tree_dflash import AcceptanceCalibration, DraftTree, VerifyCosts, best_nodes, node_values, sized_width
+from tree_dflash import AcceptanceCalibration, DraftTree, TreeSizer, VerifyCosts, best_nodes, node_values, sized_width
 
-FLAT = VerifyCosts([1, 64], [0.010, 0.010])  # any width costs one decode step: verify everything
+FLAT = VerifyCosts([1, 64], [10.0, 10.0])  # any width costs one (slow) decode step, beside which a draft is free
 STEEP = VerifyCosts([1, 2, 64], [0.010, 0.020, 0.640])  # each token costs a decode step: verify nothing drafted
 
 
@@ -166,3 +166,85 @@ def test_the_tree_and_cost_rules_import_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[4,", "6,", "5]", "[0,", "1,", "2]", "3"]
+
+
+def sizer_rounds(sizer: TreeSizer, rounds: int) -> str:
+    """Which of `rounds` rounds draft ("d") and which are plain steps ("."), each drafted round a one-node tree."""
+    tree, pattern = DraftTree([4], [0], [1], [math.log(0.9)]), ""
+    for _ in range(rounds):
+        if not sizer.drafts():
+            pattern += "."
+            continue
+        sizer.start_draft()
+        sizer.cut([tree], [[]])
+        sizer.accepted([[0]])
+        pattern += "d"
+    return pattern
+
+
+def test_drafts_that_cannot_pay_give_way_to_plain_steps_for_twice_as_long_each_time():
+    """A drafted round slower than a plain step makes the next 1, 2, 4, ... rounds plain steps; one that pays brings
+    back drafting every round, and the back-off starts again from one round."""
+    assert sizer_rounds(TreeSizer(FLAT), 6) == "dddddd"
+    sizer = TreeSizer(STEEP)  # a drafted token costs a whole decode step, so no draft pass pays
+    assert sizer_rounds(sizer, 16) == "d.d..d....d....."
+    sizer.costs = FLAT
+    assert sizer_rounds(sizer, 7) == "...dddd"
+    sizer.costs = STEEP
+    assert sizer_rounds(sizer, 6) == "d.d..d"
+    sizer = TreeSizer(STEEP)
+    assert sizer_rounds(sizer, 200).count("d") == 5 + (200 - 63) // 33 + 1, "the back-off stops at MAX_SKIP rounds"
+
+
+def draft_reads(draft) -> list[tuple[list[list[int]], list[int]]]:
+    """Per draft pass: each row's context positions the pass reads (its unmasked ones) and each row's block start."""
+    reads = []
+
+    def record(module, args, kwargs):
+        n, positions = kwargs["context_hidden_states"].shape[1], kwargs["position_ids"]
+        mask = kwargs.get("attention_mask")
+        block = positions.shape[1] - n
+        keys = mask[:, -(n + block) : -block].bool() if mask is not None else torch.ones_like(positions[:, :n]).bool()
+        read = [row[k].tolist() for row, k in zip(positions[:, :n], keys)]
+        reads.append((read, positions[:, n].tolist()))
+
+    draft.register_forward_pre_hook(record, with_kwargs=True)
+    return reads
+
+
+def assert_every_committed_position_read_once(reads, rows: int, starts: list[int]):
+    """Across the passes, each row's context positions run from `starts` without gap or repeat, and each pass's
+    block starts right after them."""
+    seen = [[] for _ in range(rows)]
+    for read, block_starts in reads:
+        for row in range(rows):
+            seen[row] += read[row]
+            assert seen[row] == list(range(starts[row], block_starts[row])), f"row {row}"
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_plain_steps_leave_their_features_for_the_next_draft_pass_and_stay_exact(batch):
+    """fp32, a steep t(n): most rounds are plain steps with no draft pass (1 + 1 + 2 + 4 + 8 ... rounds apart), the
+    next pass reads every token they committed, once, at its position, and every row equals plain greedy decoding."""
+    from test_batch_dflash import REPEATING, expected_rows, left_pad, new_tokens
+
+    target, draft = make_target("qwen3"), make_draft()
+    prompts = REPEATING if batch else REPEATING[:1]
+    ids, mask = left_pad(prompts)
+    reads = draft_reads(draft)
+    out = draft.spec_generate(
+        target,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        stop_token_ids=None,
+        tree_budget=6,
+        tree_sizing="cost",
+        verify_costs=STEEP,
+        return_stats=True,
+    )
+    assert new_tokens(out.output_ids, ids.shape[1], [30] * len(prompts)) == expected_rows(target, prompts, 30)
+    taus = out.acceptance_lengths if batch else [out.acceptance_lengths]
+    assert all(row == [1] * 29 for row in taus), "29 plain steps after the prefill's token"
+    assert len(reads) == 5, "draft passes in rounds 1, 3, 6, 11 and 20 of 29"
+    assert_every_committed_position_read_once(reads, len(prompts), [0] * len(prompts))

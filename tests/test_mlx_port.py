@@ -541,12 +541,24 @@ def test_tree_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, d
         assert taus == stats.acceptance_lengths, f"prompt {prompt}"
 
 
-def test_cost_sizing_follows_the_verify_cost(target, draft):
+def test_cost_sizing_follows_the_verify_cost(target, draft, monkeypatch):
     """A verify whose every extra token costs more than it can return is cut to the plain decode step (tau 1 every
-    round); a flat one keeps the whole tree, as fixed sizing does; both stay mlx-lm's greedy output."""
+    round), and drafts only in rounds 1, 3, 6, 11 and 20 (the back-off), each pass reading the features of every
+    token committed since the last; a flat one keeps the whole tree, as fixed sizing does; all stay mlx-lm's greedy
+    output."""
     reference = mlx_greedy(target, REPEATING, 30)
     settings = dict(block_size=8, max_tokens=30, tree_budget=8, prompt_lookup_num_tokens=5)
+    reads, forward = [], type(draft).__call__
+
+    def counted(self, noise_embeds, target_hidden, cache=None):
+        reads.append((cache[0].offset, target_hidden.shape[1]))
+        return forward(self, noise_embeds, target_hidden, cache)
+
+    monkeypatch.setattr(type(draft), "__call__", counted)
     steep, steep_taus = run(target, draft, REPEATING, tree_sizing="cost", verify_costs={1: 1.0, 64: 1000.0}, **settings)
+    assert [offset + read for offset, read in reads] == [len(REPEATING) + r - 1 for r in (1, 3, 6, 11, 20)]
+    assert all(offset == sum(read for _, read in reads[:i]) for i, (offset, _) in enumerate(reads))
+    monkeypatch.undo()
     flat, flat_taus = run(target, draft, REPEATING, tree_sizing="cost", verify_costs={1: 1.0, 64: 1.0}, **settings)
     fixed, fixed_taus = run(target, draft, REPEATING, tree_sizing="fixed", **settings)
     assert steep == flat == fixed == reference
