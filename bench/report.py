@@ -26,6 +26,7 @@ JSON schema (`schema_version` 2; keys are only ever added, under a new version; 
 
 import io
 from collections import defaultdict
+from pathlib import Path
 
 from common.io import write_bytes_atomic
 
@@ -218,16 +219,36 @@ def batch_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.report FILE.json ...`: each file's docs table, under the command that measured it."""
+    """`python -m bench.report FILE.json ... [--plots DIR]`: each file's docs table, under the command that measured
+    it; with `--plots`, its plots too."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__.split(": ")[1])
     parser.add_argument("files", nargs="+", help="results.json files written by `python -m bench`")
-    for path in parser.parse_args(argv).files:
-        result = json.loads(open(path, encoding="utf-8").read())
+    parser.add_argument("--plots", type=Path, help="write each file's plots here, named after the file")
+    args = parser.parse_args(argv)
+    for path in map(Path, args.files):
+        result = json.loads(path.read_text(encoding="utf-8"))
         print(f"{caption(result)}\n\n{markdown(result)}\n")
+        if args.plots:
+            for written in plot_result(result, args.plots, path.stem):
+                print(f"wrote {written}")
     return 0
+
+
+def plot_result(result: dict, folder: Path, stem: str) -> list[Path]:
+    """A result file's plots, as the bench run drew them: throughput by batch size (`bench --batch-size`), or the
+    speed-up and acceptance histograms (`bench`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if result.get("tool") == "bench --batch-size":
+        from bench.batch import plot  # bench.batch imports this module
+
+        plot(result, folder / f"{stem}-throughput.png")
+        return [folder / f"{stem}-throughput.png"]
+    plot_speedup(result["summary"], folder / f"{stem}-speedup.png")
+    plot_histograms(result["summary"], folder / f"{stem}-acceptance.png")
+    return [folder / f"{stem}-speedup.png", folder / f"{stem}-acceptance.png"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

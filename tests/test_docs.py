@@ -57,6 +57,16 @@ def test_bench_report_prints_the_table_of_a_file(capsys):
     assert report.markdown(load(str(name.relative_to(ROOT)))) in capsys.readouterr().out
 
 
+def test_the_plots_are_drawn_from_the_results_files_and_docs_holds_them_all(tmp_path, capsys):
+    """`python -m bench.report docs/results/*.json --plots DIR` draws every file's plots; docs/plots holds the
+    same set."""
+    files = sorted((ROOT / "docs" / "results").glob("*.json"))
+    assert report.main([*map(str, files), "--plots", str(tmp_path)]) == 0
+    made = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(made) >= len(files) and all((tmp_path / name).read_bytes()[:4] == b"\x89PNG" for name in made)
+    assert sorted(p.name for p in (ROOT / "docs" / "plots").glob("*.png")) == made
+
+
 def test_every_block_runs_in_ci_or_says_why_not():
     for page in PAGES:
         for _, code, reason in blocks(page):
