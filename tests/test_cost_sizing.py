@@ -113,26 +113,34 @@ def test_cost_sized_trees_follow_the_cost_and_decode_exactly_at_one_row(arch):
             assert len(set(widths[1:])) > 1, f"widths {widths[1:]}"
 
 
-def test_cost_sized_trees_in_a_batch_share_one_width_and_stay_exact():
-    from test_batch_dflash import REPEATING, expected_rows, left_pad, new_tokens
+def cost_sized_rows(draft, target, prompts: list[list[int]], **settings) -> tuple[list[list[int]], object]:
+    """Each left-padded prompt's 30 new tokens under cost sizing (no stop token), and the call's stats."""
+    from test_batch_dflash import left_pad, new_tokens
 
-    target, draft = make_target("qwen3"), make_draft()
-    ids, mask = left_pad(REPEATING)
-    widths = verify_widths(target)
-    between = VerifyCosts([1, 48], [0.010, 0.0194])
+    ids, mask = left_pad(prompts)
     out = draft.spec_generate(
         target,
         ids,
         attention_mask=mask,
         max_new_tokens=30,
         stop_token_ids=None,
-        tree_budget=12,
-        prompt_lookup_num_tokens=3,
         tree_sizing="cost",
-        verify_costs=between,
         return_stats=True,
+        **settings,
     )
-    assert new_tokens(out.output_ids, ids.shape[1], [30] * 3) == expected_rows(target, REPEATING, 30)
+    return new_tokens(out.output_ids, ids.shape[1], [30] * len(prompts)), out
+
+
+def test_cost_sized_trees_in_a_batch_share_one_width_and_stay_exact():
+    from test_batch_dflash import REPEATING, expected_rows
+
+    target, draft = make_target("qwen3"), make_draft()
+    widths = verify_widths(target)
+    between = VerifyCosts([1, 48], [0.010, 0.0194])
+    rows, out = cost_sized_rows(
+        draft, target, REPEATING, tree_budget=12, prompt_lookup_num_tokens=3, verify_costs=between
+    )
+    assert rows == expected_rows(target, REPEATING, 30)
     assert len(set(widths[1:])) > 1 and max(widths[1:]) <= 1 + 12 + 3
     assert [len(e) for e in out.expected_acceptance_lengths] == [len(a) for a in out.acceptance_lengths]
 
@@ -226,24 +234,13 @@ def assert_every_committed_position_read_once(reads, rows: int, starts: list[int
 def test_plain_steps_leave_their_features_for_the_next_draft_pass_and_stay_exact(batch):
     """fp32, a steep t(n): most rounds are plain steps with no draft pass (1 + 1 + 2 + 4 + 8 ... rounds apart), the
     next pass reads every token they committed, once, at its position, and every row equals plain greedy decoding."""
-    from test_batch_dflash import REPEATING, expected_rows, left_pad, new_tokens
+    from test_batch_dflash import REPEATING, expected_rows
 
     target, draft = make_target("qwen3"), make_draft()
     prompts = REPEATING if batch else REPEATING[:1]
-    ids, mask = left_pad(prompts)
     reads = draft_reads(draft)
-    out = draft.spec_generate(
-        target,
-        ids,
-        attention_mask=mask,
-        max_new_tokens=30,
-        stop_token_ids=None,
-        tree_budget=6,
-        tree_sizing="cost",
-        verify_costs=STEEP,
-        return_stats=True,
-    )
-    assert new_tokens(out.output_ids, ids.shape[1], [30] * len(prompts)) == expected_rows(target, prompts, 30)
+    rows, out = cost_sized_rows(draft, target, prompts, tree_budget=6, verify_costs=STEEP)
+    assert rows == expected_rows(target, prompts, 30)
     taus = out.acceptance_lengths if batch else [out.acceptance_lengths]
     assert all(row == [1] * 29 for row in taus), "29 plain steps after the prefill's token"
     assert len(reads) == 5, "draft passes in rounds 1, 3, 6, 11 and 20 of 29"
