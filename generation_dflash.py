@@ -853,26 +853,26 @@ def spec_generate(
         block, sizer, expected = block_size, plan.sizer(target, 1), []
         while not ending.done(new_tokens):
             drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
-            if sizer and drafting:
-                sizer.start_draft()
             if drafting:
+                if sizer:
+                    sizer.start_draft()
                 logits, hidden = draft_step(self, embed, step_head, last, context, start, draft_cache, block)
             if tree_budget is None and not lookup:  # the chain: drafted and chosen tokens come to the host together
                 proposal = chain_proposal(self, logits, hidden, last, warpers, generator, vocab)
                 verify_ids = torch.cat([last, proposal], dim=1)
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
-                tree = propose(logits, tree_budget, warpers, vocab, tree_min_prob) if drafting else DraftTree.chain([])
-                branch = (
-                    prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size) if lookup and drafting else []
-                )
                 if not drafting:  # a plain decode step
+                    tree = DraftTree.chain([])
                     expected.append(1.0)
-                elif sizer:
-                    (tree,), estimate = sizer.cut([tree], [branch])
-                    expected += estimate
-                elif branch:
-                    tree = tree.with_branch(branch)
+                else:
+                    tree = propose(logits, tree_budget, warpers, vocab, tree_min_prob)
+                    branch = prompt_lookup(prompt + new_tokens, lookup, max_matching_ngram_size) if lookup else []
+                    if sizer:
+                        (tree,), estimate = sizer.cut([tree], [branch])
+                        expected += estimate
+                    elif branch:
+                        tree = tree.with_branch(branch)
                 drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
                 verify_ids = torch.cat([last, drafted], dim=1)
                 positions = tree_position_ids(tree, start, input_ids.device)

@@ -451,14 +451,14 @@ def dflash_generate_step(
         branch = prompt_lookup(history, lookup, max_matching_ngram_size) if lookup else []
         return sizer.cut([tree], [branch])[0][0] if sizer else tree.with_branch(branch) if branch else tree
 
-    def verify_tree(last: int, tree: DraftTree, drafted: bool = True) -> tuple[list[int], mx.array]:
-        """The tokens the tree's accepted path commits, and that path's target features (`drafted`: the draft ran
+    def verify_tree(last: int, tree: DraftTree, drafting: bool = True) -> tuple[list[int], mx.array]:
+        """The tokens the tree's accepted path commits, and that path's target features (`drafting`: the draft ran
         this round, so the sizer hears what was accepted)."""
         start, size = cache[0].offset, len(tree.tokens) + 1
         with tree_attention(model, cache, tree, start):
             chosen = sample(model(mx.array([[last] + tree.tokens]), cache=cache)[0]).tolist()
         path = tree.accept(chosen)
-        if sizer and drafted:
+        if sizer and drafting:
             sizer.accepted([path])
         features = context_features(outputs, layer_ids)[:, mx.array(path)]
         keep_path(cache, start, path, size)
@@ -484,15 +484,11 @@ def dflash_generate_step(
         history.append(last)
         yield [last], 0
         while True:
-            if sizer and not sizer.drafts():  # a plain decode step: the draft reads its context next time
-                new_tokens, fresh = verify_tree(last, DraftTree.chain([]), drafted=False)
-                context, last = mx.concatenate([context, fresh], axis=1), new_tokens[-1]
-                history.extend(new_tokens)
-                yield new_tokens, 0
-                continue
-            drafted = draft_block(last, context)
+            drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
+            drafted = draft_block(last, context) if drafting else DraftTree.chain([])  # else a plain decode step
             if isinstance(drafted, DraftTree):
-                new_tokens, context = verify_tree(last, drafted)
+                new_tokens, fresh = verify_tree(last, drafted, drafting)
+                context = fresh if drafting else mx.concatenate([context, fresh], axis=1)  # what the draft has not read
                 last = new_tokens[-1]
                 history.extend(new_tokens)
                 yield new_tokens, len(new_tokens) - 1
