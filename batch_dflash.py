@@ -12,54 +12,34 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     DynamicCache,
-    GenerationConfig,
     LogitsProcessorList,
     StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 try:
     from .cache_dflash import cache_kwarg, drop_last, is_hybrid
-    from .generation_dflash import (
-        EOS_FROM_GENERATION_CONFIG,
-        DraftHead,
+    from .decoding_dflash import (
         LayerFeatures,
         OutputEnd,
         SpecGenerateOutput,
-        TreePlan,
-        check_context,
-        check_generation_inputs,
-        draft_embedding,
         pick_tokens,
+        round_trees,
         sampling_warpers,
-        stop_ids,
-        tree_plan,
     )
-    from .proposal_dflash import argmax_tokens, layer_masks, propose
-    from .tree_dflash import DraftTree, check_tree_supported, mask_layout, prompt_lookup
+    from .head_dflash import DraftHead, draft_embedding
+    from .plan_dflash import EOS_FROM_GENERATION_CONFIG, TreePlan, stop_ids
+    from .proposal_dflash import layer_masks
+    from .tree_dflash import DraftTree, check_tree_supported, mask_layout
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
-    from generation_dflash import (
-        EOS_FROM_GENERATION_CONFIG,
-        DraftHead,
-        LayerFeatures,
-        OutputEnd,
-        SpecGenerateOutput,
-        TreePlan,
-        check_context,
-        check_generation_inputs,
-        draft_embedding,
-        pick_tokens,
-        sampling_warpers,
-        stop_ids,
-        tree_plan,
-    )
-    from proposal_dflash import argmax_tokens, layer_masks, propose
-    from tree_dflash import DraftTree, check_tree_supported, mask_layout, prompt_lookup
+    from decoding_dflash import LayerFeatures, OutputEnd, SpecGenerateOutput, pick_tokens, round_trees, sampling_warpers
+    from head_dflash import DraftHead, draft_embedding
+    from plan_dflash import EOS_FROM_GENERATION_CONFIG, TreePlan, stop_ids
+    from proposal_dflash import layer_masks
+    from tree_dflash import DraftTree, check_tree_supported, mask_layout
 
 
 def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -147,21 +127,6 @@ def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size:
     rows.context, rows.context_keys = rows.context[:, :0], rows.context_keys[:, :0]
     rows.context_positions = rows.context_positions[:, :0]
     return head.scores(hidden)
-
-
-def row_trees(
-    logits, head, plan: TreePlan, warpers, histories: list[list[int]], sizer=None
-) -> tuple[list[DraftTree], list[float]]:
-    """Each row's round: its argmax chain, or its best-first tree (cut to the width that pays, with a `sizer`) plus
-    its lookup branch (`histories`: each row's prompt and output, which the lookup searches); and with a `sizer`,
-    each row's expected acceptance length."""
-    if plan.is_chain:
-        return [DraftTree.chain(row) for row in argmax_tokens(logits, head.vocab).tolist()], []
-    trees = [propose(row_logits[None], plan.budget, warpers, head.vocab, plan.min_prob) for row_logits in logits]
-    branches = [prompt_lookup(h, plan.lookup, plan.max_ngram) if plan.lookup else [] for h in histories]
-    if sizer:
-        return sizer.cut(trees, branches)
-    return [tree.with_branch(branch) for tree, branch in zip(trees, branches)], []
 
 
 def verify_trees(target, cache, rows: Rows, trees: list[DraftTree]) -> torch.Tensor:
@@ -365,14 +330,13 @@ def batched_spec_generate(
         sizer, expected = plan.sizer(target, batch), [[] for _ in range(batch)]
         while rows.ids.numel():
             drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
+            logits = None  # a plain decode step for every row, unless the round drafts
             if drafting:
                 if sizer:
                     sizer.start_draft()
                 logits = draft_block(self, embed, head, rows, draft_cache, block_size)
-                histories = [prompt_tokens[row] + outputs[row] for row in rows.ids.tolist()] if plan.lookup else []
-                trees, estimates = row_trees(logits, head, plan, warpers, histories or [[]] * len(rows.ids), sizer)
-            else:  # a plain decode step for every row
-                trees, estimates = [DraftTree.chain([])] * len(rows.ids), [1.0] * len(rows.ids)
+            histories = [prompt_tokens[row] + outputs[row] if plan.lookup else [] for row in rows.ids.tolist()]
+            trees, estimates = round_trees(logits, head.vocab, plan, warpers, histories, sizer)
             for row, estimate in zip(rows.ids.tolist(), estimates):
                 expected[row].append(estimate)
             verified = verify_trees(target, target_cache, rows, trees)
@@ -420,130 +384,3 @@ def pad_id(target, stop_token_ids) -> int:
     if isinstance(pad, (list, tuple)):
         pad = pad[0] if pad else None
     return 0 if pad is None else int(pad)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# `target.generate(ids, attention_mask=mask, assistant_model=draft)` with a batch: transformers' assisted loop takes
-# one sequence, so the call runs this loop instead.
-
-# generation settings the batched loop cannot honour, with the values that are off, and why
-UNSUPPORTED_SETTINGS = {
-    "guidance_scale": ((None, 1.0), "classifier-free guidance runs a second, unconditional model per row"),
-    "num_assistant_tokens_schedule": ((None, "constant"), "the heuristic schedule sizes one row's block"),
-    "output_scores": ((None, False), "a batch returns sequences only"),
-    "output_logits": ((None, False), "a batch returns sequences only"),
-    "output_attentions": ((None, False), "a batch returns sequences only"),
-    "output_hidden_states": ((None, False), "a batch returns sequences only"),
-}
-# call arguments the batched loop cannot honour, and why
-UNSUPPORTED_ARGUMENTS = {
-    "streamer": "a streamer takes one sequence: transformers refuses streaming a batch, and so does DFlash",
-    "prefix_allowed_tokens_fn": "its batch index would be lost: the loop calls processors one row at a time",
-    "negative_prompt_ids": "classifier-free guidance runs a second, unconditional model per row",
-}
-CALL_ONLY = {
-    "inputs",
-    "input_ids",
-    "attention_mask",
-    "generation_config",
-    "assistant_model",
-    "streamer",
-    "logits_processor",
-    "stopping_criteria",
-    "tokenizer",
-    "generator",
-}
-
-
-def generation_settings(target, call: dict):
-    """The call's generation config as `generate` builds it (`_prepare_generation_config`): its `generation_config`,
-    unset fields filled from the target's and then from the global defaults, updated with its keyword settings."""
-    settings = {k: v for k, v in call.items() if k not in CALL_ONLY}
-    config, _ = target._prepare_generation_config(call.get("generation_config"), **settings)
-    return config
-
-
-def check_batch_call(call: dict, config) -> None:
-    """Refuses, before compute, what a batch through `target.generate` cannot take, each with its reason."""
-    for name, reason in UNSUPPORTED_ARGUMENTS.items():
-        if call.get(name) is not None:
-            raise ValueError(f"{name} is not supported with a batch and a DFlash assistant: {reason}")
-    for name, (off, reason) in UNSUPPORTED_SETTINGS.items():
-        if getattr(config, name, None) not in off:
-            raise ValueError(
-                f"{name}={getattr(config, name)!r} is not supported with a batch and a DFlash assistant: {reason}; "
-                "decode the prompts one at a time"
-            )
-    if config.cache_implementation not in (None, "dynamic") or call.get("past_key_values") is not None:
-        raise ValueError("a batch with a DFlash assistant builds its own ragged dynamic cache: leave the cache unset")
-
-
-def processors_and_criteria(target, call: dict, config, ids: torch.Tensor):
-    """The logits processors (warpers included when sampling) plain `generate` builds for this call, one list per
-    row, each built for that row alone (transformers 5 sizes some to the batch, e.g. the repetition penalty's
-    per-row padding), and its stopping criteria, less the EOS and length criteria the loop applies itself."""
-    mask = call.get("attention_mask")
-    target._prepare_special_tokens(config, mask is not None, device=ids.device)
-    rows = [
-        target._get_logits_processor(
-            generation_config=config,
-            input_ids_seq_length=ids.shape[1],
-            encoder_input_ids=ids[row : row + 1],
-            logits_processor=call.get("logits_processor") or LogitsProcessorList(),
-            device=ids.device,
-            model_kwargs={} if mask is None else {"attention_mask": torch.as_tensor(mask)[row : row + 1]},
-        )
-        for row in range(ids.shape[0])
-    ]
-    criteria = target._get_stopping_criteria(
-        generation_config=config,
-        stopping_criteria=call.get("stopping_criteria") or StoppingCriteriaList(),
-        tokenizer=call.get("tokenizer"),
-    )
-    own = (MaxLengthCriteria, EosTokenCriteria)
-    return rows, StoppingCriteriaList(c for c in criteria if not isinstance(c, own))
-
-
-def new_token_count(target, call: dict, config, prompt_len: int) -> int:
-    """How many tokens plain `generate` makes: `max_new_tokens`; else a `max_length` the call or a config set, less
-    the prompt; else 20, within the target's `max_position_embeddings`."""
-    if config.max_new_tokens is not None:
-        return config.max_new_tokens
-    preset = (call.get("generation_config") or target.generation_config).max_length  # before defaults fill it
-    if call.get("max_length") is not None or preset not in (None, GenerationConfig().max_length):
-        return config.max_length - prompt_len
-    context = getattr(target.config, "max_position_embeddings", None) or prompt_len + 20
-    return min(prompt_len + 20, context) - prompt_len
-
-
-def generate_batch(target, draft, call: dict, block_size: int):
-    """`target.generate` for a left-padded batch with a DFlash assistant: the batched loop with the call's greedy or
-    sampling settings, logits processors and stopping criteria applied per row as plain batched `generate` applies
-    them, `max_new_tokens` (or `max_length`), `eos_token_id` and `pad_token_id`."""
-    ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
-    config = generation_settings(target, call)
-    check_batch_call(call, config)
-    max_new_tokens = new_token_count(target, call, config, ids.shape[1])
-    check_generation_inputs(ids, max_new_tokens, block_size)
-    check_context(target, ids, max_new_tokens)
-    config.max_length = ids.shape[1] + max_new_tokens  # what generate's processors and criteria count against
-    processors, criteria = processors_and_criteria(target, call, config, ids)
-    plan = tree_plan(draft, target, ids.shape[1], max_new_tokens, block_size, "constant", None, 0.0, None, 2)
-    sequences = draft._batched_spec_generate(
-        target,
-        ids,
-        call.get("attention_mask"),
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=config.eos_token_id,
-        temperature=1.0 if config.do_sample else 0.0,  # the processors carry the call's temperature
-        top_p=1.0,
-        top_k=0,
-        block_size=block_size,
-        return_stats=False,
-        generator=None,
-        pad_token_id=config.pad_token_id,
-        row_processors=processors,
-        stopping_criteria=criteria,
-        plan=plan,
-    )
-    return GenerateDecoderOnlyOutput(sequences=sequences) if config.return_dict_in_generate else sequences

@@ -1,6 +1,5 @@
 """DFlash block-diffusion draft: Qwen3-style layers whose keys and values also see projected target hidden states."""
 
-import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -18,29 +17,25 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 try:
-    from .batch_dflash import batched_spec_generate as _batched_loop
-
-    # imported here too: transformers 4.x copies a local repo's direct imports only
-    from .cache_dflash import RollbackCache
     from .configuration_dflash import DFlashConfig, dflash2_settings
-    from .cost_dflash import verify_costs  # noqa: F401
-    from .generation_dflash import quantize_int8 as _quantize_int8
-    from .generation_dflash import refuse_generate as _refuse_generate
-    from .generation_dflash import spec_generate as _spec_generate
-    from .proposal_dflash import propose  # noqa: F401
-    from .routing_dflash import assisted_generate as _assisted_generate
-    from .tree_dflash import DraftTree
+    from .generation_dflash import DFlashDecodingMixin
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from batch_dflash import batched_spec_generate as _batched_loop
-    from cache_dflash import RollbackCache
     from configuration_dflash import DFlashConfig, dflash2_settings
-    from cost_dflash import verify_costs  # noqa: F401
-    from generation_dflash import quantize_int8 as _quantize_int8
-    from generation_dflash import refuse_generate as _refuse_generate
-    from generation_dflash import spec_generate as _spec_generate
-    from proposal_dflash import propose  # noqa: F401
-    from routing_dflash import assisted_generate as _assisted_generate
-    from tree_dflash import DraftTree
+    from generation_dflash import DFlashDecodingMixin
+
+try:  # transformers 4.x copies a local folder's remote code by this file's own relative imports: one line per file
+    from .batch_dflash import batched_spec_generate  # noqa: F401
+    from .cache_dflash import RollbackCache  # noqa: F401
+    from .candidates_dflash import DFlashCandidateGenerator  # noqa: F401
+    from .cost_dflash import verify_costs  # noqa: F401
+    from .decoding_dflash import decode_row  # noqa: F401
+    from .head_dflash import DraftHead  # noqa: F401
+    from .plan_dflash import TreePlan  # noqa: F401
+    from .proposal_dflash import propose  # noqa: F401
+    from .routing_dflash import assisted_generate  # noqa: F401
+    from .tree_dflash import DraftTree  # noqa: F401
+except ImportError:  # a top-level import finds them by itself
+    pass
 
 # transformers 5.x names the cache `cache`, 4.x `past_key_values`
 _CACHE_FIELD = (
@@ -160,9 +155,9 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
 
-class DFlashDraftModel(DFlashPreTrainedModel):
+class DFlashDraftModel(DFlashDecodingMixin, DFlashPreTrainedModel):
     """The DFlash draft. It has no embedding and no head: callers embed with the target's table and read logits
-    through the target's `lm_head`. Decoding lives in `generation_dflash.py`; `spec_generate` is re-exported here."""
+    through the target's `lm_head`. Its decoding (`spec_generate`, `int8_copy`) comes from `DFlashDecodingMixin`."""
 
     decoder_layer_class = DFlashDecoderLayer
     has_selector = False
@@ -178,17 +173,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if self.has_selector:
             self.candidate_selector = CandidateSelector(config)
         self.post_init()
-
-    def int8_copy(self) -> "DFlashDraftModel":
-        """A copy whose linear layers hold int8 weights and run float32 activations (PyTorch's dynamic quantization),
-        for CPUs, where the draft's pass is bound by reading its weights: it reads half the bfloat16 bytes. It drafts
-        for a target of any dtype, with the head's rows in int8 too (`DraftHead`); the target still verifies every
-        token, so output stays exact."""
-        if self.device.type != "cpu":
-            raise ValueError(f"int8_copy() quantizes for CPUs (fbgemm); the draft is on {self.device}")
-        quantized = _quantize_int8(copy.deepcopy(self).float())
-        quantized._int8_weights = True
-        return quantized
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         if getattr(self, "_int8_weights", False):  # refused before any file is written
@@ -256,13 +240,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if problems:
             raise ValueError(f"DFlash checkpoint does not match {cls.__name__}: {problems}")
         return (model, info) if return_info else model
-
-    spec_generate = _spec_generate
-    _batched_spec_generate = _batched_loop  # `spec_generate` with a batch of prompts runs this
-    generate = _refuse_generate
-    _dflash_assisted_generate = staticmethod(
-        _assisted_generate
-    )  # `target.generate(assistant_model=draft)` runs this copy
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -399,6 +376,4 @@ __all__ = [
     "DFlash2DraftModel",
     "DFlashPreTrainedModel",
     "DFlashConfig",
-    "DraftTree",
-    "RollbackCache",
 ]

@@ -17,11 +17,12 @@ import threading
 
 import torch
 import transformers
-from transformers import GenerationConfig, GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 try:
-    from .batch_dflash import generate_batch
     from .cache_dflash import (
         RollbackCache,
         cache_kwarg,
@@ -30,9 +31,15 @@ try:
         records_recurrent_states,
         refuse_caller_cache,
     )
-    from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
+    from .candidates_dflash import DFlashCandidateGenerator
+    from .plan_dflash import (
+        check_context,
+        check_draft_fits_target,
+        check_generation_inputs,
+        check_schedule,
+        tree_plan,
+    )
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from batch_dflash import generate_batch
     from cache_dflash import (
         RollbackCache,
         cache_kwarg,
@@ -41,7 +48,14 @@ except ImportError:  # imported as a top-level module from the repo root or an i
         records_recurrent_states,
         refuse_caller_cache,
     )
-    from generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, check_schedule
+    from candidates_dflash import DFlashCandidateGenerator
+    from plan_dflash import (
+        check_context,
+        check_draft_fits_target,
+        check_generation_inputs,
+        check_schedule,
+        tree_plan,
+    )
 
 logger = transformers.utils.logging.get_logger(__name__)
 ROUTED = ("generate", "_get_candidate_generator", "_get_stopping_criteria")
@@ -388,6 +402,137 @@ def routed(original, name: str):
         return getattr(call, name.lstrip("_"))(original, self, *args, **kwargs)
 
     return method
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `target.generate(ids, attention_mask=mask, assistant_model=draft)` with a batch: transformers' assisted loop takes
+# one sequence, so the call runs the batched loop instead.
+
+# generation settings the batched loop cannot honour, with the values that are off, and why
+UNSUPPORTED_SETTINGS = {
+    "guidance_scale": ((None, 1.0), "classifier-free guidance runs a second, unconditional model per row"),
+    "num_assistant_tokens_schedule": ((None, "constant"), "the heuristic schedule sizes one row's block"),
+    "output_scores": ((None, False), "a batch returns sequences only"),
+    "output_logits": ((None, False), "a batch returns sequences only"),
+    "output_attentions": ((None, False), "a batch returns sequences only"),
+    "output_hidden_states": ((None, False), "a batch returns sequences only"),
+}
+
+
+# call arguments the batched loop cannot honour, and why
+UNSUPPORTED_ARGUMENTS = {
+    "streamer": "a streamer takes one sequence: transformers refuses streaming a batch, and so does DFlash",
+    "prefix_allowed_tokens_fn": "its batch index would be lost: the loop calls processors one row at a time",
+    "negative_prompt_ids": "classifier-free guidance runs a second, unconditional model per row",
+}
+
+
+CALL_ONLY = {
+    "inputs",
+    "input_ids",
+    "attention_mask",
+    "generation_config",
+    "assistant_model",
+    "streamer",
+    "logits_processor",
+    "stopping_criteria",
+    "tokenizer",
+    "generator",
+}
+
+
+def generation_settings(target, call: dict):
+    """The call's generation config as `generate` builds it (`_prepare_generation_config`): its `generation_config`,
+    unset fields filled from the target's and then from the global defaults, updated with its keyword settings."""
+    settings = {k: v for k, v in call.items() if k not in CALL_ONLY}
+    config, _ = target._prepare_generation_config(call.get("generation_config"), **settings)
+    return config
+
+
+def check_batch_call(call: dict, config) -> None:
+    """Refuses, before compute, what a batch through `target.generate` cannot take, each with its reason."""
+    for name, reason in UNSUPPORTED_ARGUMENTS.items():
+        if call.get(name) is not None:
+            raise ValueError(f"{name} is not supported with a batch and a DFlash assistant: {reason}")
+    for name, (off, reason) in UNSUPPORTED_SETTINGS.items():
+        if getattr(config, name, None) not in off:
+            raise ValueError(
+                f"{name}={getattr(config, name)!r} is not supported with a batch and a DFlash assistant: {reason}; "
+                "decode the prompts one at a time"
+            )
+    if config.cache_implementation not in (None, "dynamic") or call.get("past_key_values") is not None:
+        raise ValueError("a batch with a DFlash assistant builds its own ragged dynamic cache: leave the cache unset")
+
+
+def processors_and_criteria(target, call: dict, config, ids: torch.Tensor):
+    """The logits processors (warpers included when sampling) plain `generate` builds for this call, one list per
+    row, each built for that row alone (transformers 5 sizes some to the batch, e.g. the repetition penalty's
+    per-row padding), and its stopping criteria, less the EOS and length criteria the loop applies itself."""
+    mask = call.get("attention_mask")
+    target._prepare_special_tokens(config, mask is not None, device=ids.device)
+    rows = [
+        target._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=ids.shape[1],
+            encoder_input_ids=ids[row : row + 1],
+            logits_processor=call.get("logits_processor") or LogitsProcessorList(),
+            device=ids.device,
+            model_kwargs={} if mask is None else {"attention_mask": torch.as_tensor(mask)[row : row + 1]},
+        )
+        for row in range(ids.shape[0])
+    ]
+    criteria = target._get_stopping_criteria(
+        generation_config=config,
+        stopping_criteria=call.get("stopping_criteria") or StoppingCriteriaList(),
+        tokenizer=call.get("tokenizer"),
+    )
+    own = (MaxLengthCriteria, EosTokenCriteria)
+    return rows, StoppingCriteriaList(c for c in criteria if not isinstance(c, own))
+
+
+def new_token_count(target, call: dict, config, prompt_len: int) -> int:
+    """How many tokens plain `generate` makes: `max_new_tokens`; else a `max_length` the call or a config set, less
+    the prompt; else 20, within the target's `max_position_embeddings`."""
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens
+    preset = (call.get("generation_config") or target.generation_config).max_length  # before defaults fill it
+    if call.get("max_length") is not None or preset not in (None, GenerationConfig().max_length):
+        return config.max_length - prompt_len
+    context = getattr(target.config, "max_position_embeddings", None) or prompt_len + 20
+    return min(prompt_len + 20, context) - prompt_len
+
+
+def generate_batch(target, draft, call: dict, block_size: int):
+    """`target.generate` for a left-padded batch with a DFlash assistant: the batched loop with the call's greedy or
+    sampling settings, logits processors and stopping criteria applied per row as plain batched `generate` applies
+    them, `max_new_tokens` (or `max_length`), `eos_token_id` and `pad_token_id`."""
+    ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
+    config = generation_settings(target, call)
+    check_batch_call(call, config)
+    max_new_tokens = new_token_count(target, call, config, ids.shape[1])
+    check_generation_inputs(ids, max_new_tokens, block_size)
+    check_context(target, ids, max_new_tokens)
+    config.max_length = ids.shape[1] + max_new_tokens  # what generate's processors and criteria count against
+    processors, criteria = processors_and_criteria(target, call, config, ids)
+    plan = tree_plan(draft, target, ids.shape[1], max_new_tokens, block_size, "constant", None, 0.0, None, 2)
+    sequences = draft._batched_spec_generate(
+        target,
+        ids,
+        call.get("attention_mask"),
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=config.eos_token_id,
+        temperature=1.0 if config.do_sample else 0.0,  # the processors carry the call's temperature
+        top_p=1.0,
+        top_k=0,
+        block_size=block_size,
+        return_stats=False,
+        generator=None,
+        pad_token_id=config.pad_token_id,
+        row_processors=processors,
+        stopping_criteria=criteria,
+        plan=plan,
+    )
+    return GenerateDecoderOnlyOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
 
 install_generate_routing()

@@ -1,5 +1,5 @@
 """Where a real DFlash round's time goes: `spec_generate` with the draft's defaults on chat prompts (first turns), its
-parts timed by wrapping them in `generation_dflash`, against a plain decode step of the same target on the same
+parts timed by wrapping them in `decoding_dflash`, against a plain decode step of the same target on the same
 prompts (`target.generate`'s milliseconds per new token).
 
 Parts per round: `draft` (the draft's layers and its head over `draft_vocab`), `tree` (building the round's tree from
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-import generation_dflash
+import decoding_dflash
 from bench.datasets import load_prompts
 from bench.harness import encode
 from default_target import DTYPES, load_default_target, resolve_dtype
@@ -49,17 +49,17 @@ def timed_parts(totals: dict[str, float]):
 
         return wrapper
 
-    originals = {name: getattr(generation_dflash, name) for name in [*PARTS, "verify_forward"]}
+    originals = {name: getattr(decoding_dflash, name) for name in [*PARTS, "verify_forward"]}
     for name, part in PARTS.items():
-        setattr(generation_dflash, name, timing(originals[name], part))
-    generation_dflash.verify_forward = lambda target, compiled: timing(
+        setattr(decoding_dflash, name, timing(originals[name], part))
+    decoding_dflash.verify_forward = lambda target, compiled: timing(
         originals["verify_forward"](target, compiled), "verify"
     )
     try:
         yield totals
     finally:
         for name, fn in originals.items():
-            setattr(generation_dflash, name, fn)
+            setattr(decoding_dflash, name, fn)
 
 
 def profile(target, draft, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:

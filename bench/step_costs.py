@@ -14,8 +14,9 @@ import torch
 from transformers import DynamicCache
 
 from cache_dflash import cache_kwarg, drop_last
+from decoding_dflash import LayerFeatures, draft_step
 from default_target import DTYPES, load_default_target, resolve_dtype
-from generation_dflash import DraftHead, LayerFeatures, draft_embedding, draft_step
+from head_dflash import DraftHead, draft_embedding
 from modeling_dflash import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]

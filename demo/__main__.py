@@ -19,7 +19,7 @@ from transformers import AutoModel, TextStreamer
 from common.checks import check_decoding_args, check_model_path
 from common.exactness import explained
 from default_target import DTYPES, load_default_target, resolve_dtype
-from generation_dflash import default_tree_budget
+from plan_dflash import default_tree_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 

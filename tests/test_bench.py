@@ -497,12 +497,12 @@ def test_step_costs_prints_the_verify_curve_and_round_costs(model_dirs, capsys, 
 def test_round_profile_times_every_part_of_real_rounds_and_restores_the_loop():
     from conftest import make_draft, make_target
 
-    import generation_dflash
+    import decoding_dflash
     from bench.round_profile import profile, report
 
     target, draft = make_target("llama"), make_draft()
     draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = 4, 3
-    originals = {name: getattr(generation_dflash, name) for name in ("draft_step", "propose", "verify_forward")}
+    originals = {name: getattr(decoding_dflash, name) for name in ("draft_step", "propose", "verify_forward")}
     with torch.inference_mode():
         result = profile(target, draft, [torch.tensor([[5, 6, 7, 5, 6]]), torch.tensor([[9, 8]])], max_new_tokens=12)
     assert {"draft", "tree", "lookup", "verify", "accept", "compaction", "rest"} <= set(result["parts"])
@@ -510,7 +510,7 @@ def test_round_profile_times_every_part_of_real_rounds_and_restores_the_loop():
     assert sum(result["parts"].values()) == pytest.approx(result["round"])
     assert result["tau"] >= 1 and result["decode_step"] > 0
     assert "beyond the verify" in report(torch.float32, result)
-    assert all(getattr(generation_dflash, name) is fn for name, fn in originals.items())
+    assert all(getattr(decoding_dflash, name) is fn for name, fn in originals.items())
 
 
 def test_int8_kernels_times_every_kernel_on_the_drafts_shapes(model_dirs, tmp_path):

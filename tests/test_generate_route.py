@@ -104,7 +104,7 @@ def generator_reads(fn, generator) -> set[str]:
 
 def test_the_generator_has_every_attribute_the_installed_assisted_loop_reads():
     """transformers 5.25 began reading `num_drafting_tokens`: a new read fails here before it fails a user."""
-    from generation_dflash import DFlashCandidateGenerator
+    from candidates_dflash import DFlashCandidateGenerator
 
     target, draft = make_target("llama"), make_draft()
     config = GenerationConfig(max_length=32, do_sample=False)

@@ -918,7 +918,7 @@ def test_draft_head_and_embedding_match_torch():
     proposals exactly as the torch ones."""
     import mlx.nn as nn
 
-    from generation_dflash import DraftHead as TorchDraftHead
+    from head_dflash import DraftHead as TorchDraftHead
     from mlx_port.generate import draft_embedding, draft_head
 
     torch_draft = make_draft(input_embedding_scale=1.5, final_logit_softcapping=2.0)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -190,18 +191,7 @@ def test_save_writes_engine_compatible_checkpoint(tmp_path, draft):
         "AutoConfig": "configuration_dflash.DFlashConfig",
         "AutoModel": "modeling_dflash.DFlashDraftModel",
     }
-    for name in (
-        "configuration_dflash.py",
-        "modeling_dflash.py",
-        "generation_dflash.py",
-        "cache_dflash.py",
-        "routing_dflash.py",
-        "tree_dflash.py",
-        "batch_dflash.py",
-        "cost_dflash.py",
-        "proposal_dflash.py",
-    ):
-        assert (tmp_path / name).exists(), name
+    assert {p.name for p in ROOT.glob("*_dflash.py")} <= {p.name for p in tmp_path.iterdir()}
 
 
 def test_engines_read_saved_config_without_remote_code(tmp_path, draft):
@@ -239,6 +229,8 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path, draft):
         "x = torch.load(sys.argv[2])\n"
         "torch.save(d(noise_embeds=x['noise'], context_hidden_states=x['ctx']).last_hidden_state, sys.argv[3])\n"
         "assert type(d).__module__.startswith('transformers_modules'), type(d).__module__\n"
+        # a file left out of the module cache would fall back to a top-level import of an installed copy
+        "assert not [m for m in sys.modules if m.endswith('_dflash') and '.' not in m], sorted(sys.modules)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     subprocess.run(
@@ -248,6 +240,23 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path, draft):
         env=env,
     )
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+
+
+def test_copied_repo_folder_loads_with_remote_code_from_its_own_files(tmp_path):
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    for path in [ROOT / "config.json", ROOT / "model.safetensors", *ROOT.glob("*_dflash.py")]:
+        shutil.copy(path, folder / path.name)
+    script = (
+        "import sys\n"
+        "from transformers import AutoModel\n"
+        "d = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "assert type(d).__module__.startswith('transformers_modules'), type(d).__module__\n"
+        "assert callable(d.spec_generate) and callable(d.int8_copy)\n"
+        "assert not [m for m in sys.modules if m.endswith('_dflash') and '.' not in m], sorted(sys.modules)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    subprocess.run([sys.executable, "-c", script, str(folder)], check=True, cwd=tmp_path, env=env)
 
 
 def test_repo_root_config_loads_as_draft_for_default_target():

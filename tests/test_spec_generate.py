@@ -23,7 +23,8 @@ from conftest import (
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 from common.exactness import explained
-from generation_dflash import DraftHead, check_draft_fits_target, is_int8
+from head_dflash import DraftHead, is_int8
+from plan_dflash import check_draft_fits_target
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
@@ -440,7 +441,7 @@ def test_one_device_to_host_transfer_per_chain_round(monkeypatch):
 
 
 def test_output_end_looks_at_each_token_once():
-    from generation_dflash import OutputEnd
+    from decoding_dflash import OutputEnd
 
     ending, tokens = OutputEnd({5}, max_new_tokens=10), [1, 2]
     assert ending.update(tokens) == 2 and not ending.done(tokens) and ending.checked == 2
@@ -506,7 +507,7 @@ def test_bad_sampling_arguments_fail_before_compute(kwargs, message):
 def test_input_embedding_scale_embeds_from_the_raw_table():
     """With `input_embedding_scale` the block is the raw table times the scale, bypassing the target's own scaled
     embedding module (Gemma-style); without it the module embeds, as before. Output stays exact."""
-    from generation_dflash import draft_embedding
+    from head_dflash import draft_embedding
 
     class ScaledEmbedding(torch.nn.Embedding):
         def forward(self, ids):
@@ -529,7 +530,7 @@ def test_input_embedding_scale_embeds_from_the_raw_table():
 
 
 def test_output_multiplier_and_softcapping_shape_the_draft_logits_only():
-    from generation_dflash import DraftHead
+    from head_dflash import DraftHead
 
     target = make_target("llama")
     lm_head, hidden = target.get_output_embeddings(), torch.randn(1, 3, target.config.hidden_size) * 20

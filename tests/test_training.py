@@ -781,7 +781,7 @@ def test_shipped_root_draft_fits_smollm2_and_is_lossless():
     from transformers import AutoModel
 
     from default_target import load_default_target
-    from generation_dflash import check_draft_fits_target
+    from plan_dflash import check_draft_fits_target
 
     torch.set_num_threads(2)
     target, tokenizer = load_default_target()
@@ -868,7 +868,8 @@ def test_training_labels_and_proposals_match_the_decode_path(tmp_path, draft_voc
     """The label offset, the shared head (with a draft vocabulary) and the embedding as decoding uses them (PR #473):
     `block_loss`'s first-token accuracy and teacher-forced tau equal those of `draft_step` block by block."""
     from cache_dflash import DynamicCache
-    from generation_dflash import DraftHead, draft_embedding, draft_step
+    from decoding_dflash import draft_step
+    from head_dflash import DraftHead, draft_embedding
     from training.features import build_feature_cache
     from training.trainer import target_greedy, target_pass
 

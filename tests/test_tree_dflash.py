@@ -24,7 +24,8 @@ from conftest import (
 )
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper
 
-import generation_dflash
+import decoding_dflash
+import plan_dflash
 import tree_dflash
 from cache_dflash import cache_kwarg, compact_cache
 from proposal_dflash import ancestors, build_tree, propose, tree_attention_mask, tree_position_ids
@@ -151,7 +152,7 @@ def recorded_paths(monkeypatch):
         paths.append(path)
         caches.append([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
 
-    monkeypatch.setattr(generation_dflash, "compact_cache", recording)
+    monkeypatch.setattr(decoding_dflash, "compact_cache", recording)
     return paths, caches
 
 
@@ -308,8 +309,8 @@ def test_the_config_tree_steps_aside_for_a_target_that_cannot_verify_it(monkeypa
     fa2 = make_target("llama")
     fa2.config._attn_implementation_internal = "flash_attention_2"  # only read: the decision comes before any pass
     with pytest.warns(UserWarning, match="takes a custom 4D mask"):
-        assert generation_dflash.default_tree_budget(draft, fa2, "constant") is None
-    assert generation_dflash.default_tree_budget(draft, make_target("llama"), "constant") == 4
+        assert plan_dflash.default_tree_budget(draft, fa2, "constant") is None
+    assert plan_dflash.default_tree_budget(draft, make_target("llama"), "constant") == 4
     draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = (
         None,
         3,

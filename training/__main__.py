@@ -17,8 +17,8 @@ from accelerate import PartialState
 
 from common.checks import check_model_path
 from default_target import DTYPES, load_default_target, resolve_dtype
-from generation_dflash import check_draft_fits_target
 from modeling_dflash import DFlashDraftModel
+from plan_dflash import check_draft_fits_target
 
 from .data import disjoint_sources, load_examples, read_response_cache, regenerate_responses, tokenize_examples
 from .features import open_feature_cache

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from configuration_dflash import DFlashConfig
-from generation_dflash import LayerFeatures, base_model, check_draft_fits_target, decoder_layers, draft_embedding
+from decoding_dflash import LayerFeatures
+from head_dflash import draft_embedding
 from modeling_dflash import DFlashDraftModel
+from plan_dflash import base_model, check_draft_fits_target, decoder_layers
 
 from .anchors import (
     additive_mask,
