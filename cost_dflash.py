@@ -1,5 +1,6 @@
 """What a verify costs on this machine: the target's time by the tokens one pass verifies, t(n), measured once per
-target, dtype, device and thread count, and kept for the process (`tree_dflash.sized_width` sizes each round by it).
+target, dtype, device, thread count and row count, and kept for the process (`tree_dflash.sized_width` sizes each
+round by it).
 """
 
 import time
@@ -15,32 +16,35 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from cache_dflash import cache_kwarg, drop_last
     from tree_dflash import VerifyCosts
 
-MEASURED = weakref.WeakKeyDictionary()  # target -> {(dtype, device, threads): VerifyCosts}
+MEASURED = weakref.WeakKeyDictionary()  # target -> {(dtype, device, threads, rows): VerifyCosts}
 CONTEXT = 64  # cached tokens each timed pass attends to, as a verify attends to the prompt and output
 
 
-def verify_costs(target, most_tokens: int, costs=None) -> VerifyCosts:
-    """The call's t(n): `costs` when given (a `VerifyCosts`, or a mapping of tokens to seconds), else the table kept
-    for this target, measured now up to `most_tokens` if it does not reach that far."""
+def verify_costs(target, most_tokens: int, costs=None, rows: int = 1) -> VerifyCosts:
+    """The call's t(n) for `rows` rows verifying `n` tokens in all: `costs` when given (a `VerifyCosts`, or a mapping
+    of tokens to seconds), else the table kept for this target and row count, measured now up to `most_tokens` if it
+    does not reach that far."""
     if costs is not None:
         return VerifyCosts.given(costs)
-    key = (target.dtype, str(target.device), torch.get_num_threads())
+    key = (target.dtype, str(target.device), torch.get_num_threads(), rows)
     kept = MEASURED.setdefault(target, {})
     if key not in kept or kept[key].tokens[-1] < most_tokens:
-        kept[key] = measure_verify_costs(target, most_tokens)
+        kept[key] = measure_verify_costs(target, most_tokens, rows=rows)
     return kept[key]
 
 
-def measure_verify_costs(target, most_tokens: int, repeats: int = 2) -> VerifyCosts:
-    """The fastest of `repeats` timed passes over 1, 2, 4, ... tokens (and `most_tokens`) after `CONTEXT` cached
-    ones, each cropped back after timing."""
-    sizes = VerifyCosts.sizes_to_time(most_tokens)
-    ids = torch.randint(0, target.get_input_embeddings().num_embeddings, (1, CONTEXT + sizes[-1]), device=target.device)
+def measure_verify_costs(target, most_tokens: int, rows: int = 1, repeats: int = 2) -> VerifyCosts:
+    """The fastest of `repeats` timed passes of `rows` rows over 1, 2, 4, ... tokens each (and up to `most_tokens` in
+    all) after `CONTEXT` cached ones: a batch is timed in its own shape, since its attention reads every row's cache.
+    Each pass is cropped back after timing."""
+    sizes = VerifyCosts.sizes_to_time(-(-most_tokens // rows))  # per row
+    vocab = target.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (rows, CONTEXT + sizes[-1]), device=target.device)
     cache = {cache_kwarg(target): DynamicCache()}
     with torch.inference_mode():
         target(input_ids=ids[:, :CONTEXT], use_cache=True, logits_to_keep=1, **cache)
         seconds = [min(timed_pass(target, ids[:, CONTEXT : CONTEXT + n], cache) for _ in range(repeats)) for n in sizes]
-    return VerifyCosts(sizes, seconds)
+    return VerifyCosts([rows * n for n in sizes], seconds)
 
 
 def timed_pass(target, ids: torch.Tensor, cache: dict) -> float:

@@ -146,8 +146,8 @@ class DFlashDecodingMixin:
                 `config.tree_sizing`, else fixed. A batch cuts every row to one width, since its packed verify costs the
                 widest row's.
             verify_costs: t(n) for cost sizing, a `tree_dflash.VerifyCosts` or a mapping of verified tokens to seconds;
-                None: measured once per target, dtype, device and thread count at the first call and kept for the
-                process (`python -m bench.step_costs` prints it).
+                None: measured once per target, dtype, device, thread count and row count (a batch in its own shape) at
+                the first call and kept for the process (`python -m bench.step_costs` prints it).
 
         Returns `[b, prompt_len + new]` token ids, or a `SpecGenerateOutput`.
         """
@@ -161,14 +161,13 @@ class DFlashDecodingMixin:
         check_sampling(temperature, top_p, top_k)
         check_schedule(block_size_schedule)
         warn_generation_config_not_applied(target)
-        schedule = block_size_schedule
         plan = tree_plan(
             self,
             target,
             input_ids.shape[1],
             max_new_tokens,
             block_size,
-            schedule,
+            block_size_schedule,
             tree_budget,
             tree_min_prob,
             prompt_lookup_num_tokens,
@@ -177,32 +176,7 @@ class DFlashDecodingMixin:
             tree_sizing,
             verify_costs,
         )
-        if input_ids.shape[0] > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())):
-            return self._batched_spec_generate(
-                target,
-                input_ids,
-                attention_mask,
-                max_new_tokens=max_new_tokens,
-                stop_token_ids=stop_token_ids,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                block_size=block_size,
-                return_stats=return_stats,
-                generator=generator,
-                pad_token_id=pad_token_id,
-                plan=plan,
-                streamer=streamer,
-                block_size_schedule=None if schedule == "constant" else schedule,
-                cache_implementation=cache_implementation,
-                past_key_values=past_key_values,
-                compile_verify=compile_verify,
-            )
-        return decode_row(
-            self,
-            target,
-            input_ids,
-            plan,
+        common = dict(
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,
             temperature=temperature,
@@ -212,11 +186,22 @@ class DFlashDecodingMixin:
             return_stats=return_stats,
             generator=generator,
             streamer=streamer,
-            block_size_schedule=block_size_schedule,
             cache_implementation=cache_implementation,
             past_key_values=past_key_values,
             compile_verify=compile_verify,
         )
+        if input_ids.shape[0] > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())):
+            schedule = None if block_size_schedule == "constant" else block_size_schedule  # refused by name
+            return self._batched_spec_generate(
+                target,
+                input_ids,
+                attention_mask,
+                plan=plan,
+                pad_token_id=pad_token_id,
+                block_size_schedule=schedule,
+                **common,
+            )
+        return decode_row(self, target, input_ids, plan, block_size_schedule=block_size_schedule, **common)
 
     def int8_copy(self):
         """A copy whose linear layers hold int8 weights and run float32 activations (PyTorch's dynamic quantization),

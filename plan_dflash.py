@@ -324,7 +324,7 @@ class TreePlan:
         """The call's cost-sized rounds (None when the tree is fixed), over `rows` rows."""
         if self.sizing != "cost":
             return None
-        return TreeSizer(verify_costs(target, rows * (self.budget + 1 + self.lookup), self.costs))
+        return TreeSizer(verify_costs(target, rows * (self.budget + 1 + self.lookup), self.costs, rows=rows))
 
 
 def tree_plan(

@@ -83,6 +83,21 @@ def test_the_target_is_timed_once_per_process_and_a_table_can_be_passed_in(monke
     assert timed == [7], "a table passed in is used as is"
 
 
+def test_a_batch_is_timed_in_its_own_shape_and_kept_per_row_count():
+    target = make_target("llama")
+    cost_dflash.MEASURED.pop(target, None)
+    shapes = []
+    target.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    costs = cost_dflash.verify_costs(target, 9, rows=3)
+    assert costs.tokens == [3, 6, 9], "t(n) by tokens in all: 3 rows of 1, 2 and 3 tokens"
+    assert shapes[0] == (3, cost_dflash.CONTEXT) and set(shapes[1:]) == {(3, 1), (3, 2), (3, 3)}
+    shapes.clear()
+    assert cost_dflash.verify_costs(target, 9, rows=3) is costs and not shapes, "kept for the process"
+    one_row = cost_dflash.verify_costs(target, 4)
+    assert one_row.tokens == [1, 2, 4] and shapes[0] == (1, cost_dflash.CONTEXT)
+    assert {key[-1] for key in cost_dflash.MEASURED[target]} == {1, 3}
+
+
 def verify_widths(target) -> list[int]:
     widths = []
     target.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
