@@ -335,7 +335,10 @@ def batched_spec_generate(
                 if sizer:
                     sizer.start_draft()
                 logits = draft_block(self, embed, head, rows, draft_cache, block_size)
-            histories = [prompt_tokens[row] + outputs[row] if plan.lookup else [] for row in rows.ids.tolist()]
+            # only a drafted round's lookup reads them
+            histories = [
+                prompt_tokens[row] + outputs[row] if plan.lookup and drafting else [] for row in rows.ids.tolist()
+            ]
             trees, estimates = round_trees(logits, head.vocab, plan, warpers, histories, sizer)
             for row, estimate in zip(rows.ids.tolist(), estimates):
                 expected[row].append(estimate)

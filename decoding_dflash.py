@@ -287,7 +287,7 @@ def decode_row(
                 verify_ids = torch.cat([last, proposal], dim=1)
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
-                history = prompt + new_tokens if lookup else []
+                history = prompt + new_tokens if lookup and drafting else []  # only a drafted round's lookup reads it
                 (tree,), estimate = round_trees(logits if drafting else None, vocab, plan, warpers, [history], sizer)
                 expected += estimate
                 drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
