@@ -25,21 +25,28 @@ try:
         LayerFeatures,
         OutputEnd,
         SpecGenerateOutput,
+        drafted_trees,
         pick_tokens,
-        round_trees,
         sampling_warpers,
     )
     from .head_dflash import DraftHead, draft_embedding
     from .plan_dflash import EOS_FROM_GENERATION_CONFIG, TreePlan, stop_ids
     from .proposal_dflash import layer_masks
-    from .tree_dflash import DraftTree, check_tree_supported, mask_layout
+    from .tree_dflash import DraftTree, check_tree_supported, mask_layout, round_trees
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
-    from decoding_dflash import LayerFeatures, OutputEnd, SpecGenerateOutput, pick_tokens, round_trees, sampling_warpers
+    from decoding_dflash import (
+        LayerFeatures,
+        OutputEnd,
+        SpecGenerateOutput,
+        drafted_trees,
+        pick_tokens,
+        sampling_warpers,
+    )
     from head_dflash import DraftHead, draft_embedding
     from plan_dflash import EOS_FROM_GENERATION_CONFIG, TreePlan, stop_ids
     from proposal_dflash import layer_masks
-    from tree_dflash import DraftTree, check_tree_supported, mask_layout
+    from tree_dflash import DraftTree, check_tree_supported, mask_layout, round_trees
 
 
 def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -330,16 +337,17 @@ def batched_spec_generate(
         sizer, expected = plan.sizer(target, batch), [[] for _ in range(batch)]
         while rows.ids.numel():
             drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
-            logits = None  # a plain decode step for every row, unless the round drafts
+            proposals = None  # a plain decode step for every row, unless the round drafts
             if drafting:
                 if sizer:
                     sizer.start_draft()
                 logits = draft_block(self, embed, head, rows, draft_cache, block_size)
+                proposals = drafted_trees(logits, head.vocab, plan, warpers)
             # only a drafted round's lookup reads them
             histories = [
                 prompt_tokens[row] + outputs[row] if plan.lookup and drafting else [] for row in rows.ids.tolist()
             ]
-            trees, estimates = round_trees(logits, head.vocab, plan, warpers, histories, sizer)
+            trees, estimates = round_trees(proposals, histories, plan.lookup, plan.max_ngram, sizer)
             for row, estimate in zip(rows.ids.tolist(), estimates):
                 expected[row].append(estimate)
             verified = verify_trees(target, target_cache, rows, trees)

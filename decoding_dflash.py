@@ -30,7 +30,7 @@ try:
     from .head_dflash import DraftHead, draft_embedding
     from .plan_dflash import TreePlan, check_compile_request, compiled_cache_slots, decoder_layers, stop_ids
     from .proposal_dflash import argmax_tokens, propose, tree_attention_mask, tree_position_ids
-    from .tree_dflash import DraftTree, mask_layout, prompt_lookup
+    from .tree_dflash import DraftTree, mask_layout, round_trees
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import (
         RollbackCache,
@@ -45,7 +45,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from head_dflash import DraftHead, draft_embedding
     from plan_dflash import TreePlan, check_compile_request, compiled_cache_slots, decoder_layers, stop_ids
     from proposal_dflash import argmax_tokens, propose, tree_attention_mask, tree_position_ids
-    from tree_dflash import DraftTree, mask_layout, prompt_lookup
+    from tree_dflash import DraftTree, mask_layout, round_trees
 
 
 @dataclass
@@ -148,22 +148,13 @@ def chain_proposal(draft, logits, hidden, last_token, warpers, generator=None, v
     )
 
 
-def round_trees(
-    logits, vocab, plan: TreePlan, warpers, histories: list[list[int]], sizer=None
-) -> tuple[list[DraftTree], list[float]]:
-    """Each row's round, by the one rule both loops follow: nothing drafted (`logits` None: a plain decode step), its
-    argmax chain, or its best-first tree (cut to the width that pays, with a `sizer`) plus its lookup branch
-    (`histories`: each row's prompt and output, which the lookup searches); and with a `sizer`, each row's expected
-    acceptance length. `vocab` maps the columns of `logits` to token ids (None: the whole vocabulary)."""
-    if logits is None:
-        return [DraftTree.chain([])] * len(histories), [1.0] * len(histories)
-    if plan.is_chain:
-        return [DraftTree.chain(row) for row in argmax_tokens(logits, vocab).tolist()], []
-    trees = [propose(row_logits[None], plan.budget, warpers, vocab, plan.min_prob) for row_logits in logits]
-    branches = [prompt_lookup(h, plan.lookup, plan.max_ngram) if plan.lookup else [] for h in histories]
-    if sizer:
-        return sizer.cut(trees, branches)
-    return [tree.with_branch(branch) for tree, branch in zip(trees, branches)], []
+def drafted_trees(logits, vocab, plan: TreePlan, warpers) -> list[DraftTree]:
+    """Each row's drafted proposal, before its lookup branch (`tree_dflash.round_trees` adds it and cuts the tree):
+    its argmax chain, or its best-first tree. `vocab` maps the columns of `logits` to token ids (None: the whole
+    vocabulary)."""
+    if plan.budget is None:
+        return [DraftTree.chain(row) for row in argmax_tokens(logits, vocab).tolist()]
+    return [propose(row_logits[None], plan.budget, warpers, vocab, plan.min_prob) for row_logits in logits]
 
 
 def next_block_size(block_size: int, accepted: int, max_block_size: int) -> int:
@@ -288,7 +279,8 @@ def decode_row(
                 positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
             else:  # a tree's shape is decided on the host from the draft's top choices
                 history = prompt + new_tokens if lookup and drafting else []  # only a drafted round's lookup reads it
-                (tree,), estimate = round_trees(logits if drafting else None, vocab, plan, warpers, [history], sizer)
+                proposals = drafted_trees(logits, vocab, plan, warpers) if drafting else None
+                (tree,), estimate = round_trees(proposals, [history], lookup, plan.max_ngram, sizer)
                 expected += estimate
                 drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
                 verify_ids = torch.cat([last, drafted], dim=1)

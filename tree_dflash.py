@@ -283,6 +283,21 @@ class TreeSizer:
             self.lookup.update(len(lookup_nodes), len(lookup_nodes & set(accepted)))
 
 
+def round_trees(
+    proposals: list[DraftTree] | None, histories: list[list[int]], lookup: int, max_ngram: int, sizer=None
+) -> tuple[list[DraftTree], list[float]]:
+    """Each row's round, by the one rule every loop follows (torch's one row and batch, MLX): nothing drafted
+    (`proposals` None: a plain decode step), else the row's drafted chain or tree plus its lookup branch of up to
+    `lookup` tokens (`histories`: each row's prompt and output, which the lookup searches), cut with a `sizer` to
+    the width that pays; and with a `sizer`, each row's expected acceptance length."""
+    if proposals is None:
+        return [DraftTree.chain([])] * len(histories), [1.0] * len(histories)
+    branches = [prompt_lookup(history, lookup, max_ngram) if lookup else [] for history in histories]
+    if sizer:
+        return sizer.cut(proposals, branches)
+    return [tree.with_branch(branch) if branch else tree for tree, branch in zip(proposals, branches)], []
+
+
 def resolve_tree_sizing(asked: str | None, configured: str | None, has_tree: bool, one_shape: bool = False) -> str:
     """A call's tree sizing, `"cost"` or `"fixed"`: `asked`, else the draft config's, else fixed. The config's cost
     sizing steps aside for the chain and a verify compiled to one shape (`one_shape`); an explicit one is refused."""

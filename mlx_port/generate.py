@@ -32,7 +32,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from common.checks import check_model_path
 from configuration_dflash import check_fits_target, check_sampling, first_stop
-from tree_dflash import DraftTree, TreeSizer, VerifyCosts, best_first, config_tree, prompt_lookup, resolve_tree_sizing
+from tree_dflash import DraftTree, TreeSizer, VerifyCosts, best_first, config_tree, resolve_tree_sizing, round_trees
 
 from .model import Model
 
@@ -180,11 +180,6 @@ def capture_layer_outputs(model: nn.Module, layer_ids: list[int]) -> Iterator[di
 def context_features(outputs: dict, layer_ids: list[int]) -> mx.array:
     """Concatenates the captured outputs; layer `i`'s output is transformers' `hidden_states[i + 1]`."""
     return mx.concatenate([outputs[i] for i in layer_ids], axis=-1)
-
-
-def accepted_length(draft_tokens: list[int], target_tokens: list[int]) -> int:
-    """Number of leading drafted tokens that equal the target's choice at the previous position."""
-    return next((i for i, (d, t) in enumerate(zip(draft_tokens, target_tokens)) if d != t), len(draft_tokens))
 
 
 def snapshot_states(cache: list) -> list:
@@ -441,15 +436,14 @@ def dflash_generate_step(
         hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)[:, 1:]
         if draft.has_selector:  # DFlash 2: a walk over the head's top-k, with the call's sampler (greedy at 0)
             return draft.candidate_selector.walk(head(hidden), hidden, mx.array([last]), sample)[0]
-        if budget is None and not lookup:
+        if budget is None and not lookup:  # the chain stays on the device until its verify
             return mx.argmax(head(hidden), axis=-1)[0]
-        tree = (
+        proposal = (
             best_first_tree(head(hidden)[0], budget)
             if budget
-            else DraftTree.chain(mx.argmax(head(hidden), axis=-1)[0].tolist())
+            else DraftTree.chain(mx.argmax(head(hidden), -1)[0].tolist())
         )
-        branch = prompt_lookup(history, lookup, max_matching_ngram_size) if lookup else []
-        return sizer.cut([tree], [branch])[0][0] if sizer else tree.with_branch(branch) if branch else tree
+        return round_trees([proposal], [history], lookup, max_matching_ngram_size, sizer)[0][0]
 
     def verify_tree(last: int, tree: DraftTree, drafting: bool = True) -> tuple[list[int], mx.array]:
         """The tokens the tree's accepted path commits, and that path's target features (`drafting`: the draft ran
@@ -499,7 +493,7 @@ def dflash_generate_step(
             chosen = sample(model(verify[None], cache=cache)[0])
             tokens = mx.concatenate([drafted, chosen.astype(drafted.dtype)]).tolist()  # the round's one host round trip
             proposed, target_tokens = tokens[: block_size - 1], tokens[block_size - 1 :]
-            accepted = accepted_length(proposed, target_tokens[:-1])
+            accepted = len(DraftTree.chain(proposed).accept(target_tokens)) - 1
             context = context_features(outputs, layer_ids)[:, : accepted + 1]
             rewind(block_size - accepted - 1, states, verify[: accepted + 1])
             new_tokens = proposed[:accepted] + [target_tokens[accepted]]

@@ -43,9 +43,10 @@ from mlx_lm.utils import load_model  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+import tree_dflash  # noqa: E402
 from mlx_port import load_draft, stream_generate  # noqa: E402
 from mlx_port.convert import convert  # noqa: E402
-from mlx_port.generate import LayerCapture, accepted_length, decoder_layers, target_head  # noqa: E402
+from mlx_port.generate import LayerCapture, decoder_layers, target_head  # noqa: E402
 from mlx_port.model import Model, ModelArgs  # noqa: E402
 from modeling_dflash import DFlashDraftModel  # noqa: E402
 
@@ -541,6 +542,51 @@ def test_tree_tokens_and_acceptance_match_torch(target_dir, target, draft_dir, d
         assert taus == stats.acceptance_lengths, f"prompt {prompt}"
 
 
+def test_every_loop_follows_tree_dflashs_one_lookup_rule_and_one_accept_walk(
+    target_dir, target, draft_dir, draft, monkeypatch
+):
+    """A rule changed in `tree_dflash` changes every loop: torch's one row (chain and tree), torch's batch and MLX
+    (chain and tree). With the lookup made an oracle (the true continuation), every tree round accepts its 5 tokens
+    at least; with the accept walk then capped at two drafted nodes, every round's tau is 3; every output stays plain
+    greedy."""
+    from transformers import AutoModelForCausalLM
+
+    torch_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    torch_draft = DFlashDraftModel.from_pretrained(draft_dir).eval()
+    reference = PROMPT + mlx_greedy(target, PROMPT, 50)
+    monkeypatch.setattr(tree_dflash, "prompt_lookup", lambda tokens, n, *_: reference[len(tokens) : len(tokens) + n])
+    torch_oracle = OracleDraft(make_draft_config()).eval().setup(torch_target, torch.tensor([reference]), 7)
+    lookup = dict(tree_budget=0, prompt_lookup_num_tokens=5)
+
+    def torch_taus(model, rows: int, **kwargs) -> list[int]:
+        out = model.spec_generate(
+            torch_target, torch.tensor([PROMPT] * rows), max_new_tokens=30, block_size=8, return_stats=True, **kwargs
+        )
+        assert all(row[3:].tolist() == reference[3:33] for row in out.output_ids)
+        return [tau for row in out.acceptance_lengths for tau in (row if rows > 1 else [row])]
+
+    def mlx_taus(model, **kwargs) -> list[int]:
+        tokens, taus = run(target, model, PROMPT, block_size=8, max_tokens=30, **kwargs)
+        assert tokens == reference[3:33]
+        return taus
+
+    def every_loop() -> dict[str, list[int]]:
+        return {
+            "torch row, chain": torch_taus(torch_oracle, 1, tree_budget=0),
+            "torch row, tree": torch_taus(torch_draft, 1, **lookup),
+            "torch batch": torch_taus(torch_draft, 2, **lookup),
+            "mlx, chain": mlx_taus(oracle(draft_dir, target, reference, 7), tree_budget=0),
+            "mlx, tree": mlx_taus(draft, **lookup),
+        }
+
+    for loop, taus in every_loop().items():  # a chain right for 7 tokens; a tree holding the lookup's 5 at least
+        assert min(taus) == 8 if "chain" in loop else min(taus) >= 6, f"{loop}: {taus}"
+    walk = tree_dflash.DraftTree.accept
+    monkeypatch.setattr(tree_dflash.DraftTree, "accept", lambda tree, chosen: walk(tree, chosen)[:3])
+    for loop, taus in every_loop().items():
+        assert set(taus) == {3}, f"{loop}: {taus}"
+
+
 def test_cost_sizing_follows_the_verify_cost(target, draft, monkeypatch):
     """A verify whose every extra token costs more than it can return is cut to the plain decode step (tau 1 every
     round), and drafts only in rounds 1, 3, 6, 11 and 20 (the back-off), each pass reading the features of every
@@ -851,12 +897,6 @@ def test_bad_arguments_fail_before_compute(target, draft, count_target_calls, pr
 def test_bad_sliding_window_size_is_refused(draft_dir):
     with pytest.raises(ValueError, match="sliding_window_size must be at least 1"):
         load_draft(str(draft_dir), sliding_window_size=0)
-
-
-def test_accepted_length():
-    assert accepted_length([1, 2, 3], [1, 2, 4]) == 2
-    assert accepted_length([1, 2, 3], [0, 2, 3]) == 0
-    assert accepted_length([1, 2], [1, 2]) == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
