@@ -1,4 +1,5 @@
-"""Batched DFlash: left-padded prompts decoded together, every row accepting its own prefix in every round.
+"""Batched DFlash: left-padded prompts decoded together, every row accepting its own prefix in every round
+(`RaggedBatch` through `tree_dflash.decode_rounds`, the loop one row and MLX run too).
 
 The ragged cache. The target's cache stays one rectangular tensor per layer, and each row keeps its own position
 ids. Every round appends each active row's block; the keys a row rejected stay behind as holes that the row's
@@ -32,7 +33,7 @@ try:
     from .head_dflash import DraftHead, draft_embedding
     from .plan_dflash import EOS_FROM_GENERATION_CONFIG, TreePlan, stop_ids
     from .proposal_dflash import layer_masks
-    from .tree_dflash import DraftTree, check_tree_supported, mask_layout, round_trees
+    from .tree_dflash import DraftTree, Round, check_tree_supported, decode_rounds, mask_layout
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import cache_kwarg, drop_last, is_hybrid
     from decoding_dflash import (
@@ -46,7 +47,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from head_dflash import DraftHead, draft_embedding
     from plan_dflash import EOS_FROM_GENERATION_CONFIG, TreePlan, stop_ids
     from proposal_dflash import layer_masks
-    from tree_dflash import DraftTree, check_tree_supported, mask_layout, round_trees
+    from tree_dflash import DraftTree, Round, check_tree_supported, decode_rounds, mask_layout
 
 
 def left_padding_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -225,7 +226,7 @@ class CriteriaEnd(OutputEnd):
         return length
 
 
-def commit(rows: Rows, cache: DynamicCache, features: torch.Tensor, paths: list[list[int]], chosen: torch.Tensor):
+def commit_paths(rows: Rows, cache: DynamicCache, features: torch.Tensor, paths: list[list[int]], chosen: torch.Tensor):
     """Moves every row past its accepted path and bonus token: the path's keys and features move to the round's
     first slots, the slots after the longest path are cropped, and a shorter path leaves holes its row's mask hides
     from then on."""
@@ -256,6 +257,57 @@ def gather_round_slots(cache: DynamicCache, n: int, index: torch.Tensor) -> None
         for tensor in (layer.keys, layer.values):
             at = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
             tensor[..., first : first + index.shape[1], :] = tensor[..., first:, :].gather(2, at)
+
+
+@dataclass
+class RaggedBatch:
+    """A batch's live rows through `tree_dflash.decode_rounds`: one draft pass and one packed verify for all of
+    them, each row accepting its own path in the ragged cache, and a row that ends leaving the batch."""
+
+    draft_model: torch.nn.Module
+    target: torch.nn.Module
+    plan: TreePlan
+    warpers: LogitsProcessorList | None
+    pick: "RowPicker"
+    ends: list[OutputEnd]
+    rows: Rows
+    features: LayerFeatures
+    target_cache: DynamicCache
+    draft_cache: DynamicCache
+    prompt_tokens: list[list[int]]  # each row's unpadded prompt, which the lookup searches
+    block_size: int
+    outputs: list[list[int]]  # per row of the call's batch, as `taus` and `expected`
+    taus: list[list[int]]
+    expected: list[list[float]]
+
+    def __post_init__(self):
+        self.embed = draft_embedding(self.draft_model, self.target)
+        self.head = DraftHead(self.draft_model, self.target.get_output_embeddings())
+
+    def live(self) -> int:
+        return self.rows.ids.numel()
+
+    def histories(self) -> list[list[int]]:
+        return [self.prompt_tokens[row] + self.outputs[row] for row in self.rows.ids.tolist()]
+
+    def draft(self) -> list[DraftTree]:
+        logits = draft_block(self.draft_model, self.embed, self.head, self.rows, self.draft_cache, self.block_size)
+        return drafted_trees(logits, self.head.vocab, self.plan, self.warpers)
+
+    def verify(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[list[int]]]:
+        verified = verify_trees(self.target, self.target_cache, self.rows, trees)
+        self.chosen = self.pick(verified, self.rows.ids.tolist(), self.outputs, trees)
+        return trees, self.chosen.tolist()  # the round's device-to-host transfer
+
+    def commit(self, step: Round) -> None:
+        ids = self.rows.ids.tolist()
+        for row, tokens, path in zip(ids, step.committed(), step.paths):
+            self.outputs[row] += tokens
+            self.taus[row].append(len(path))
+        for row, estimate in zip(ids, step.estimates):
+            self.expected[row].append(estimate)
+        commit_paths(self.rows, self.target_cache, self.features.pop(), step.paths, self.chosen)
+        self.rows = drop_finished(self.rows, self.ends, self.outputs, self.target_cache, self.draft_cache)
 
 
 @torch.inference_mode()
@@ -298,11 +350,9 @@ def batched_spec_generate(
     pad = pad_token_id if pad_token_id is not None else pad_id(target, stop_token_ids)
     processors = row_processors or [sampling_warpers(temperature, top_k, top_p)] * input_ids.shape[0]
     pick = RowPicker(processors, input_ids, temperature > 0, generator)
-    embed, head = draft_embedding(self, target), DraftHead(self, target.get_output_embeddings())
     batch, prompt_len = input_ids.shape
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     outputs = [[] for _ in range(batch)]
-    taus: list[list[int]] = [[] for _ in range(batch)]
     ends = [
         CriteriaEnd(stops, max_new_tokens, stopping_criteria, prompt)
         if stopping_criteria
@@ -333,36 +383,25 @@ def batched_spec_generate(
         )
         for row, token in enumerate(last[:, 0].tolist()):
             outputs[row].append(token)
-        rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
-        sizer, expected = plan.sizer(target, batch), [[] for _ in range(batch)]
-        while rows.ids.numel():
-            drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
-            proposals = None  # a plain decode step for every row, unless the round drafts
-            if drafting:
-                if sizer:
-                    sizer.start_draft()
-                logits = draft_block(self, embed, head, rows, draft_cache, block_size)
-                proposals = drafted_trees(logits, head.vocab, plan, warpers)
-            # only a drafted round's lookup reads them
-            histories = [
-                prompt_tokens[row] + outputs[row] if plan.lookup and drafting else [] for row in rows.ids.tolist()
-            ]
-            trees, estimates = round_trees(proposals, histories, plan.lookup, plan.max_ngram, sizer)
-            for row, estimate in zip(rows.ids.tolist(), estimates):
-                expected[row].append(estimate)
-            verified = verify_trees(target, target_cache, rows, trees)
-            chosen = pick(verified, rows.ids.tolist(), outputs, trees)
-            chosen_ids = chosen.tolist()  # the round's device-to-host transfer
-            paths = [tree.accept(cs) for tree, cs in zip(trees, chosen_ids)]
-            if align_rows:  # the target's choice after the shortest path is every row's own next token
-                paths = [path[: min(map(len, paths))] for path in paths]
-            if sizer and drafting:
-                sizer.accepted(paths)
-            for row, tree, cs, path in zip(rows.ids.tolist(), trees, chosen_ids, paths):
-                outputs[row] += [tree.node_token(node) for node in path[1:]] + [cs[path[-1]]]
-                taus[row].append(len(path))
-            commit(rows, target_cache, features.pop(), paths, chosen)
-            rows = drop_finished(rows, ends, outputs, target_cache, draft_cache)
+        batch_rows = RaggedBatch(
+            self,
+            target,
+            plan,
+            warpers,
+            pick,
+            ends,
+            drop_finished(rows, ends, outputs, target_cache, draft_cache),
+            features,
+            target_cache,
+            draft_cache,
+            prompt_tokens,
+            block_size,
+            outputs=outputs,
+            taus=[[] for _ in range(batch)],
+            expected=[[] for _ in range(batch)],
+        )
+        for _ in decode_rounds(batch_rows, plan.lookup, plan.max_ngram, plan.sizer(target, batch), align_rows):
+            pass  # each round commits itself
 
     new = [tokens[: end.update(tokens)] for tokens, end in zip(outputs, ends)]
     width = max(len(tokens) for tokens in new)
@@ -370,7 +409,7 @@ def batched_spec_generate(
     output_ids = torch.cat([input_ids, padded], dim=1)
     if not return_stats:
         return output_ids
-    return SpecGenerateOutput(output_ids, taus, prompt_len, width, expected)
+    return SpecGenerateOutput(output_ids, batch_rows.taus, prompt_len, width, batch_rows.expected)
 
 
 def drop_finished(rows: Rows, ends: list[OutputEnd], outputs, target_cache, draft_cache) -> Rows:

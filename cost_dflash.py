@@ -35,14 +35,15 @@ def verify_costs(target, most_tokens: int, costs=None, rows: int = 1) -> VerifyC
 
 def measure_verify_costs(target, most_tokens: int, rows: int = 1, repeats: int = 2) -> VerifyCosts:
     """The fastest of `repeats` timed passes of `rows` rows over 1, 2, 4, ... tokens each (and up to `most_tokens` in
-    all) after `CONTEXT` cached ones: a batch is timed in its own shape, since its attention reads every row's cache.
-    Each pass is cropped back after timing."""
+    all) after `CONTEXT` cached ones: a batch is timed in its own shape, since its attention reads every row's cache
+    (one row's prefill, copied to every row). Each pass is cropped back after timing."""
     sizes = VerifyCosts.sizes_to_time(-(-most_tokens // rows))  # per row
     vocab = target.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (rows, CONTEXT + sizes[-1]), device=target.device)
     cache = {cache_kwarg(target): DynamicCache()}
     with torch.inference_mode():
-        target(input_ids=ids[:, :CONTEXT], use_cache=True, logits_to_keep=1, **cache)
+        target(input_ids=ids[:1, :CONTEXT], use_cache=True, logits_to_keep=1, **cache)
+        repeat_rows(next(iter(cache.values())), rows)  # a pass's cost reads the cache's shape, not its values
         seconds = [min(timed_pass(target, ids[:, CONTEXT : CONTEXT + n], cache) for _ in range(repeats)) for n in sizes]
     return VerifyCosts([rows * n for n in sizes], seconds)
 
@@ -56,3 +57,10 @@ def timed_pass(target, ids: torch.Tensor, cache: dict) -> float:
     seconds = time.perf_counter() - start
     drop_last(next(iter(cache.values())), ids.shape[1])
     return seconds
+
+
+def repeat_rows(cache: DynamicCache, rows: int) -> None:
+    """One row's cached keys and values, as `rows` rows."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:  # transformers 5 may hold layers not yet written
+            layer.keys, layer.values = layer.keys.repeat(rows, 1, 1, 1), layer.values.repeat(rows, 1, 1, 1)

@@ -1,5 +1,5 @@
-"""The round engine for one row, and the round pieces every route shares (the target's layer features, the draft
-pass, token picking, where the output ends).
+"""One row's layout for the round loop (`OneRow` through `tree_dflash.decode_rounds`), and the round pieces every
+route shares (the target's layer features, the draft pass, token picking, where the output ends).
 
 Each round drafts a block `[last token, MASK x (B-1)]` in one draft pass, verifies it in one target pass, keeps the
 longest prefix the target agrees with plus the target's own next token, and crops both caches to that prefix.
@@ -30,7 +30,7 @@ try:
     from .head_dflash import DraftHead, draft_embedding
     from .plan_dflash import TreePlan, check_compile_request, compiled_cache_slots, decoder_layers, stop_ids
     from .proposal_dflash import argmax_tokens, propose, tree_attention_mask, tree_position_ids
-    from .tree_dflash import DraftTree, mask_layout, round_trees
+    from .tree_dflash import DraftTree, Round, decode_rounds, mask_layout
 except ImportError:  # imported as a top-level module from the repo root or an installed project
     from cache_dflash import (
         RollbackCache,
@@ -45,7 +45,7 @@ except ImportError:  # imported as a top-level module from the repo root or an i
     from head_dflash import DraftHead, draft_embedding
     from plan_dflash import TreePlan, check_compile_request, compiled_cache_slots, decoder_layers, stop_ids
     from proposal_dflash import argmax_tokens, propose, tree_attention_mask, tree_position_ids
-    from tree_dflash import DraftTree, mask_layout, round_trees
+    from tree_dflash import DraftTree, Round, decode_rounds, mask_layout
 
 
 @dataclass
@@ -211,6 +211,100 @@ def stream_tokens(streamer: BaseStreamer | None, tokens: list[int], streamed: in
     return end
 
 
+@dataclass
+class OneRow:
+    """One row's caches and state through `tree_dflash.decode_rounds`: its draft pass, its verify (the chain, or a
+    tree with its ancestor mask), and its commit (the accepted path's keys and features kept, the rest dropped)."""
+
+    draft_model: torch.nn.Module
+    target: torch.nn.Module
+    plan: TreePlan
+    target_cache: object
+    features: LayerFeatures
+    verify_pass: Callable  # the target, or its compiled forward
+    warpers: LogitsProcessorList
+    generator: torch.Generator | None
+    ending: OutputEnd
+    block_size: int
+    schedule: str
+    prompt: list[int]  # what the lookup searches before the output
+    tokens: list[int]  # the output so far
+    last: torch.Tensor  # [1, 1] the last committed token, not yet in the target's cache
+    context: torch.Tensor  # target features the draft has not read yet
+    start: int  # the last token's position
+    acceptance_lengths: list[int] = field(default_factory=list)
+    expected: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        head = DraftHead(self.draft_model, self.target.get_output_embeddings())
+        # a selector reads whole-vocabulary logits; otherwise the draft's own vocabulary is all a round looks at
+        self.step_head, self.vocab = (head, None) if self.draft_model.has_selector else (head.scores, head.vocab)
+        self.embed, self.draft_cache = draft_embedding(self.draft_model, self.target), DynamicCache()
+        self.cache_name, self.kv_slots = cache_kwarg(self.target), static_length(self.target_cache)
+        self.layout, self.block = mask_layout(self.target), self.block_size
+
+    def live(self) -> int:
+        return 0 if self.ending.done(self.tokens) else 1
+
+    def histories(self) -> list[list[int]]:
+        return [self.prompt + self.tokens]
+
+    def draft(self) -> list[DraftTree]:
+        logits, hidden = draft_step(
+            self.draft_model,
+            self.embed,
+            self.step_head,
+            self.last,
+            self.context,
+            self.start,
+            self.draft_cache,
+            self.block,
+        )
+        if self.plan.is_chain:  # it stays on the device until the verify's one transfer
+            self.proposal = chain_proposal(
+                self.draft_model, logits, hidden, self.last, self.warpers, self.generator, self.vocab
+            )
+            return [None]
+        return drafted_trees(logits, self.vocab, self.plan, self.warpers)
+
+    def verify(self, trees: list[DraftTree | None]) -> tuple[list[DraftTree], list[list[int]]]:
+        (tree,) = trees
+        device = self.last.device
+        drafted = self.proposal if tree is None else torch.tensor([tree.tokens], dtype=torch.long, device=device)
+        ids = torch.cat([self.last, drafted], dim=1)
+        if self.plan.is_chain:
+            positions, mask = torch.arange(self.start, self.start + ids.shape[1], device=device)[None], None
+        else:
+            positions = tree_position_ids(tree, self.start, device)
+            mask = tree_attention_mask(tree, self.start, self.target.dtype, device, self.kv_slots, self.layout)
+        if isinstance(self.target_cache, RollbackCache):
+            self.target_cache.save(ids)
+        out = self.verify_pass(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_name: self.target_cache},
+        )
+        self.chosen = pick_tokens(out.logits, self.warpers, self.generator)
+        tokens = torch.cat([drafted[0], self.chosen[0]]).tolist()  # the round's device-to-host transfer
+        n = drafted.shape[1]
+        return [DraftTree.chain(tokens[:n]) if tree is None else tree], [tokens[n:]]
+
+    def commit(self, step: Round) -> None:
+        (path,), (tokens,) = step.paths, step.committed()
+        self.tokens += tokens
+        self.acceptance_lengths.append(len(path))
+        self.expected += step.estimates
+        # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
+        compact_cache(self.target_cache, self.start, path)
+        fresh, self.last = self.features.pop(path), self.chosen[:, path[-1] : path[-1] + 1]
+        self.context = fresh if step.drafted else torch.cat([self.context, fresh], dim=1)  # what the draft has not read
+        self.start += len(path)
+        if self.schedule == "heuristic":
+            self.block = next_block_size(self.block, len(path) - 1, self.block_size)
+
+
 @torch.inference_mode()
 def decode_row(
     draft,
@@ -232,91 +326,52 @@ def decode_row(
     past_key_values,
     compile_verify: bool,
 ):
-    """`spec_generate` for one `[1, prompt_len]` prompt, its checks done and its `plan` resolved: the round loop."""
-    lookup, final_length = plan.lookup, plan.final_length
+    """`spec_generate` for one `[1, prompt_len]` prompt, its checks done and its `plan` resolved: the prefill, then
+    `tree_dflash.decode_rounds` over its `OneRow`."""
     cache_implementation = check_compile_request(
-        compile_verify, cache_implementation, past_key_values, block_size_schedule, lookup, plan.min_prob
+        compile_verify, cache_implementation, past_key_values, block_size_schedule, plan.lookup, plan.min_prob
     )
-    slots = compiled_cache_slots(final_length) if compile_verify else final_length
-    target_cache = target_cache_for(target, cache_implementation, past_key_values, final_length, slots)
-    verify = verify_forward(target, compile_verify)
-    ending, warpers = (
-        OutputEnd(stop_ids(target, stop_token_ids), max_new_tokens),
-        sampling_warpers(temperature, top_k, top_p),
-    )
-    embed, head = draft_embedding(draft, target), DraftHead(draft, target.get_output_embeddings())
-    # a selector reads whole-vocabulary logits; otherwise the draft's own vocabulary is all a round looks at
-    step_head, vocab = (head, None) if draft.has_selector else (head.scores, head.vocab)
-    cache_name = cache_kwarg(target)
-    draft_cache, kv_slots = DynamicCache(), static_length(target_cache)  # a tree mask spans a static cache's slots
-    layout = mask_layout(target)
+    slots = compiled_cache_slots(plan.final_length) if compile_verify else plan.final_length
+    target_cache = target_cache_for(target, cache_implementation, past_key_values, plan.final_length, slots)
+    ending = OutputEnd(stop_ids(target, stop_token_ids), max_new_tokens)
+    warpers = sampling_warpers(temperature, top_k, top_p)
     input_ids = input_ids.to(target.device)
     prompt_len = input_ids.shape[1]
-    prompt = input_ids[0].tolist() if lookup else []
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
 
     with LayerFeatures(target, draft.config.target_layer_ids) as features:
         # prefill: the target reads the prompt and picks the first new token
-        out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_name: target_cache})
+        out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(target): target_cache})
         last = pick_tokens(out.logits[:, -1:], warpers, generator)
-        new_tokens, context, out = last[0].tolist(), features.pop(), None
+        context, out = features.pop(), None
         record_verify_states(target_cache, block_size)  # after the prefill, whose states no crop goes back to
-        acceptance_lengths: list[int] = []
-        start = prompt_len  # position of the last committed token, which is not yet in the target's cache
-        streamed = stream_tokens(streamer, new_tokens, 0, ending.update(new_tokens))
+        row = OneRow(
+            draft,
+            target,
+            plan,
+            target_cache,
+            features,
+            verify_pass=verify_forward(target, compile_verify),
+            warpers=warpers,
+            generator=generator,
+            ending=ending,
+            block_size=block_size,
+            schedule=block_size_schedule,
+            prompt=input_ids[0].tolist() if plan.lookup else [],
+            tokens=last[0].tolist(),
+            last=last,
+            context=context,
+            start=prompt_len,  # position of the last committed token, which is not yet in the target's cache
+        )
+        streamed = stream_tokens(streamer, row.tokens, 0, ending.update(row.tokens))
+        for _ in decode_rounds(row, plan.lookup, plan.max_ngram, plan.sizer(target, 1)):
+            streamed = stream_tokens(streamer, row.tokens, streamed, ending.update(row.tokens))
 
-        block, sizer, expected = block_size, plan.sizer(target, 1), []
-        while not ending.done(new_tokens):
-            drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
-            if drafting:
-                if sizer:
-                    sizer.start_draft()
-                logits, hidden = draft_step(draft, embed, step_head, last, context, start, draft_cache, block)
-            if plan.is_chain:  # drafted and chosen tokens come to the host together
-                proposal = chain_proposal(draft, logits, hidden, last, warpers, generator, vocab)
-                verify_ids = torch.cat([last, proposal], dim=1)
-                positions, mask = torch.arange(start, start + block, device=input_ids.device)[None], None
-            else:  # a tree's shape is decided on the host from the draft's top choices
-                history = prompt + new_tokens if lookup and drafting else []  # only a drafted round's lookup reads it
-                proposals = drafted_trees(logits, vocab, plan, warpers) if drafting else None
-                (tree,), estimate = round_trees(proposals, [history], lookup, plan.max_ngram, sizer)
-                expected += estimate
-                drafted = torch.tensor([tree.tokens], dtype=torch.long, device=input_ids.device)  # may be empty
-                verify_ids = torch.cat([last, drafted], dim=1)
-                positions = tree_position_ids(tree, start, input_ids.device)
-                mask = tree_attention_mask(tree, start, target.dtype, input_ids.device, kv_slots, layout)
-            if isinstance(target_cache, RollbackCache):
-                target_cache.save(verify_ids)
-            out = verify(
-                input_ids=verify_ids,
-                position_ids=positions,
-                attention_mask=mask,
-                use_cache=True,
-                **{cache_name: target_cache},
-            )
-            chosen = pick_tokens(out.logits, warpers, generator)
-            tokens = torch.cat([verify_ids[0, 1:], chosen[0]]).tolist()  # the round's device-to-host transfer
-            drafted, chosen_ids = tokens[: verify_ids.shape[1] - 1], tokens[verify_ids.shape[1] - 1 :]
-            tree = DraftTree.chain(drafted) if plan.is_chain else tree
-            path = tree.accept(chosen_ids)
-            if sizer and drafting:
-                sizer.accepted([path])
-            new_tokens += [tree.node_token(node) for node in path[1:]] + [chosen_ids[path[-1]]]
-            acceptance_lengths.append(len(path))
-            # keep the accepted path only; the other nodes' keys were computed from tokens that were not committed
-            compact_cache(target_cache, start, path)
-            fresh, last = features.pop(path), chosen[:, path[-1] : path[-1] + 1]
-            context = fresh if drafting else torch.cat([context, fresh], dim=1)  # what the draft has not read yet
-            start += len(path)
-            if block_size_schedule == "heuristic":
-                block = next_block_size(block, len(path) - 1, block_size)
-            streamed = stream_tokens(streamer, new_tokens, streamed, ending.update(new_tokens))
-
-    end = ending.update(new_tokens)
+    end = ending.update(row.tokens)
     if streamer is not None:
         streamer.end()
-    output_ids = torch.cat([input_ids, torch.tensor([new_tokens[:end]], device=input_ids.device)], dim=1)
+    output_ids = torch.cat([input_ids, torch.tensor([row.tokens[:end]], device=input_ids.device)], dim=1)
     if not return_stats:
         return output_ids
-    return SpecGenerateOutput(output_ids, acceptance_lengths, prompt_len, end, expected)
+    return SpecGenerateOutput(output_ids, row.acceptance_lengths, prompt_len, end, row.expected)

@@ -1,9 +1,10 @@
 """DFlash's public decoding entry points: `DFlashDecodingMixin`, which every DFlash draft inherits (`spec_generate`,
 `int8_copy`, and the `target.generate(ids, assistant_model=draft)` route), and `DFlashCandidateGenerator`.
 
-Where the rest lives: a call's checks and plan in `plan_dflash.py`, the one-row round loop in `decoding_dflash.py`,
-the batched loop in `batch_dflash.py`, the generate route in `routing_dflash.py`, the draft's head in
-`head_dflash.py`, caches in `cache_dflash.py`, and the framework-free tree and cost rules in `tree_dflash.py`.
+Where the rest lives: a call's checks and plan in `plan_dflash.py`, the round loop and its tree, accept and cost
+rules in `tree_dflash.py` (framework-free), one row's layout for it in `decoding_dflash.py`, a batch's in
+`batch_dflash.py`, the generate route in `routing_dflash.py`, the draft's head in `head_dflash.py`, and caches in
+`cache_dflash.py`.
 """
 
 import copy

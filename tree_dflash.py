@@ -298,6 +298,50 @@ def round_trees(
     return [tree.with_branch(branch) if branch else tree for tree, branch in zip(proposals, branches)], []
 
 
+@dataclass
+class Round:
+    """One round of `decode_rounds`, for its live rows in order: each row's verified tree, the target's choice at
+    each of its nodes, its accepted path and (with cost sizing) its expected acceptance length."""
+
+    trees: list[DraftTree]
+    chosen: list[list[int]]
+    paths: list[list[int]]
+    estimates: list[float]
+    drafted: bool  # False: a plain decode step, without a draft pass
+
+    def committed(self) -> list[list[int]]:
+        """Each row's new tokens: its accepted path's, then the target's choice after it."""
+        return [
+            [tree.node_token(node) for node in path[1:]] + [chosen[path[-1]]]
+            for tree, chosen, path in zip(self.trees, self.chosen, self.paths)
+        ]
+
+
+def decode_rounds(rows, lookup: int = 0, max_ngram: int = 2, sizer=None, align_rows: bool = False):
+    """The round every loop runs (torch's one row and its ragged batch, MLX), yielding each `Round` once committed.
+    `rows` holds the live rows' caches and state: `live()` counts them (0 ends the loop), `draft()` gives each
+    one's drafted chain or tree in one draft pass (None: a bare chain left on the device), `histories()` what its
+    lookup searches, `verify(trees)` the trees verified in one target pass (a chain left on the device comes to the
+    host there, with the target's choices) and the target's choice at each of their nodes, and `commit(round)` moves
+    each row past its accepted path. `align_rows` keeps every row to the round's shortest path."""
+    while live := rows.live():
+        drafting = sizer is None or sizer.drafts()  # a cost-sized call skips drafts that do not pay
+        if drafting and sizer:
+            sizer.start_draft()
+        proposals = rows.draft() if drafting else None  # None: a plain decode step for every row
+        histories = rows.histories() if drafting and lookup else [[]] * live  # only a drafted round's lookup reads
+        trees, estimates = round_trees(proposals, histories, lookup, max_ngram, sizer)
+        trees, chosen = rows.verify(trees)
+        paths = [tree.accept(row_chosen) for tree, row_chosen in zip(trees, chosen)]
+        if align_rows:  # the target's choice after the shortest path is every row's own next token
+            paths = [path[: min(map(len, paths))] for path in paths]
+        if sizer and drafting:
+            sizer.accepted(paths)
+        step = Round(trees, chosen, paths, estimates, drafting)
+        rows.commit(step)
+        yield step
+
+
 def resolve_tree_sizing(asked: str | None, configured: str | None, has_tree: bool, one_shape: bool = False) -> str:
     """A call's tree sizing, `"cost"` or `"fixed"`: `asked`, else the draft config's, else fixed. The config's cost
     sizing steps aside for the chain and a verify compiled to one shape (`one_shape`); an explicit one is refused."""

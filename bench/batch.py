@@ -21,7 +21,7 @@ import torch
 
 from bench.datasets import load_prompts
 from bench.harness import encode, truncate
-from bench.report import save_figure
+from bench.report import first_call, save_figure
 from common.exactness import explained
 from common.io import write_json_atomic, write_text_atomic
 
@@ -52,22 +52,29 @@ def one_at_a_time(draft, target, prompts, max_new_tokens, stops) -> tuple[list[l
 
 def batched(draft, target, prompts, batch_size, max_new_tokens, stops, pad) -> dict:
     """Plain batched `generate` and both DFlash sizings over `prompts` in groups of `batch_size`: each one's new
-    rows and seconds."""
-    result = {"plain": [[], 0.0], "dflash": [[], 0.0], "cost": [[], 0.0], "row_lengths": []}
-    for first in range(0, len(prompts), batch_size):
-        group = prompts[first : first + batch_size]
+    rows and seconds, each timed after a first two-token call per row count (a cost-sized call measures t(n) for
+    its row count there, once per process), whose seconds are kept apart."""
+    result = {"plain": [[], 0.0], "dflash": [[], 0.0], "cost": [[], 0.0], "row_lengths": [], "first_call_seconds": {}}
+    spec_generate = functools.partial(draft.spec_generate, target)
+    methods = (
+        ("plain", target.generate, {"do_sample": False, "pad_token_id": pad}),
+        ("dflash", spec_generate, {}),
+        ("cost", spec_generate, {"tree_sizing": "cost", "tree_budget": cost_budget(draft)}),
+    )
+    groups = [prompts[first : first + batch_size] for first in range(0, len(prompts), batch_size)]
+    for group in {len(group): group for group in groups}.values():  # each row count's one-off work, untimed
         ids, mask = left_padded(group, pad)
-        spec_generate = functools.partial(draft.spec_generate, target)
-        for name, call, kwargs in (
-            ("plain", target.generate, {"do_sample": False, "pad_token_id": pad}),
-            ("dflash", spec_generate, {}),
-            ("cost", spec_generate, {"tree_sizing": "cost", "tree_budget": cost_budget(draft)}),
-        ):
+        for name, call, kwargs in methods:
+            _, took = timed(call, ids, attention_mask=mask, max_new_tokens=2, **kwargs)
+            result["first_call_seconds"].setdefault(name, []).append(took)
+    for group in groups:
+        ids, mask = left_padded(group, pad)
+        for name, call, kwargs in methods:
             out, took = timed(call, ids, attention_mask=mask, max_new_tokens=max_new_tokens, **kwargs)
             rows = [truncate(row, stops, max_new_tokens) for row in out[:, ids.shape[1] :].tolist()]
             result[name][0] += rows
             result[name][1] += took
-        result["row_lengths"].append([len(r) for r in result["dflash"][0][first:]])
+        result["row_lengths"].append([len(r) for r in result["dflash"][0][-len(group) :]])
     return result
 
 
@@ -121,6 +128,7 @@ def measure(target, tokenizer, draft, args, stops: list[int]) -> dict:
                     untied(target, prompts, r, run["plain"][0]) for r in sized
                 ),
                 "row_lengths": run["row_lengths"],
+                "first_call_seconds": run["first_call_seconds"],
             }
         )
     return {"prompts": len(prompts), "rows": rows}
@@ -130,7 +138,7 @@ def table(result: dict) -> str:
     lines = [
         "batch | DFlash tok/s | cost-sized tok/s | plain batched tok/s | DFlash vs plain | cost-sized vs plain | "
         "DFlash vs one prompt at a time | rows differing from plain (not at a tie) / from one at a time | "
-        "shortest / longest row"
+        "shortest / longest row | first call, s: plain / fixed / cost-sized"
     ]
     for row in result["rows"]:
         lengths = [n for group in row["row_lengths"] for n in group]
@@ -142,7 +150,7 @@ def table(result: dict) -> str:
             f"{row['cost_sized_tokens_per_second'] / plain:18.2f}x | "
             f"{row['dflash_tokens_per_second'] / alone:29.2f}x | "
             f"{row['rows_differing_from_plain']:>5} ({row['rows_differing_from_plain_not_at_a_tie']}) / "
-            f"{row['rows_differing_from_one_at_a_time']:<5} | {min(lengths)} / {max(lengths)}"
+            f"{row['rows_differing_from_one_at_a_time']:<5} | {min(lengths)} / {max(lengths)} | {first_call(row)}"
         )
     lines.append(
         "one prompt at a time (spec_generate, shipped defaults): "

@@ -200,8 +200,9 @@ def markdown(result: dict) -> str:
 def batch_markdown(result: dict) -> str:
     lines = [
         "| batch | DFlash tok/s | cost-sized tok/s | plain batched tok/s | DFlash vs plain | cost-sized vs plain | "
-        "vs one prompt at a time | rows differing from plain (not at a tie) / one at a time |",
-        "|---|---|---|---|---|---|---|---|",
+        "vs one prompt at a time | rows differing from plain (not at a tie) / one at a time | "
+        "first call, s: plain / fixed / cost-sized |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         alone, dflash, plain = (
@@ -213,9 +214,22 @@ def batch_markdown(result: dict) -> str:
         lines.append(
             f"| {r['batch_size']} | {dflash:.2f} | {cost:.2f} | {plain:.2f} | {dflash / plain:.2f}x | "
             f"{cost / plain:.2f}x | {dflash / alone:.2f}x | {r['rows_differing_from_plain']} "
-            f"({r['rows_differing_from_plain_not_at_a_tie']}) / {r['rows_differing_from_one_at_a_time']} |"
+            f"({r['rows_differing_from_plain_not_at_a_tie']}) / {r['rows_differing_from_one_at_a_time']} | "
+            f"{first_call(r)} |"
         )
     return "\n".join(lines)
+
+
+def first_call(row: dict) -> str:
+    """The untimed first call's seconds per row count, plain / fixed / cost-sized (the prefill included; a
+    cost-sized call also measures t(n) there); "-" for a run that timed it with the rest."""
+    seconds = row.get("first_call_seconds")
+    if not seconds:
+        return "-"
+    return ", ".join(" / ".join(f"{s:.1f}" for s in calls) for calls in zip(*(seconds[m] for m in FIRST_CALLS)))
+
+
+FIRST_CALLS = ("plain", "dflash", "cost")
 
 
 def main(argv: list[str] | None = None) -> int:

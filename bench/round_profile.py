@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 import decoding_dflash
+import tree_dflash
 from bench.datasets import load_prompts
 from bench.harness import encode
 from default_target import DTYPES, load_default_target, resolve_dtype
@@ -26,12 +27,12 @@ from modeling_dflash import DFlashDraftModel
 
 from .step_costs import ROOT
 
-PARTS = {
-    "draft_step": "draft",
-    "propose": "tree",
-    "prompt_lookup": "lookup",
-    "pick_tokens": "accept",
-    "compact_cache": "compaction",
+PARTS = {  # (module, function) -> part
+    (decoding_dflash, "draft_step"): "draft",
+    (decoding_dflash, "propose"): "tree",
+    (tree_dflash, "prompt_lookup"): "lookup",
+    (decoding_dflash, "pick_tokens"): "accept",
+    (decoding_dflash, "compact_cache"): "compaction",
 }
 
 
@@ -49,17 +50,17 @@ def timed_parts(totals: dict[str, float]):
 
         return wrapper
 
-    originals = {name: getattr(decoding_dflash, name) for name in [*PARTS, "verify_forward"]}
-    for name, part in PARTS.items():
-        setattr(decoding_dflash, name, timing(originals[name], part))
+    originals = {key: getattr(*key) for key in [*PARTS, (decoding_dflash, "verify_forward")]}
+    for (module, name), part in PARTS.items():
+        setattr(module, name, timing(originals[module, name], part))
     decoding_dflash.verify_forward = lambda target, compiled: timing(
-        originals["verify_forward"](target, compiled), "verify"
+        originals[decoding_dflash, "verify_forward"](target, compiled), "verify"
     )
     try:
         yield totals
     finally:
-        for name, fn in originals.items():
-            setattr(decoding_dflash, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
 
 
 def profile(target, draft, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:

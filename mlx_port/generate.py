@@ -9,6 +9,8 @@ With `tree_budget` (or the draft config's), a round verifies a best-first tree o
 (`tree_dflash.py`, shared with torch): every node sees the cache and its ancestors at the position of its depth,
 the walk follows the children holding the target's choices, and the cache keeps the accepted path only.
 
+The loop is torch's, `tree_dflash.decode_rounds`, over this row's `MlxRow` (its draft pass, verify and commit).
+
     python -m mlx_port generate --model TARGET --draft-model draft-mlx --prompt "..." --max-tokens 256 --temp 0.0
 """
 
@@ -32,7 +34,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from common.checks import check_model_path
 from configuration_dflash import check_fits_target, check_sampling, first_stop
-from tree_dflash import DraftTree, TreeSizer, VerifyCosts, best_first, config_tree, resolve_tree_sizing, round_trees
+from tree_dflash import (
+    DraftTree,
+    Round,
+    TreeSizer,
+    VerifyCosts,
+    best_first,
+    config_tree,
+    decode_rounds,
+    resolve_tree_sizing,
+)
 
 from .model import Model
 
@@ -408,98 +419,115 @@ def dflash_generate_step(
     budget, lookup = resolve_tree_settings(draft, model, is_hybrid, tree_budget, prompt_lookup_num_tokens)
     sizing = resolve_tree_sizing(tree_sizing, draft.args.dflash_config.get("tree_sizing"), budget is not None)
     sizer = TreeSizer(target_costs(model, budget + 1 + lookup, verify_costs)) if sizing == "cost" else None
-    history = prompt.tolist()  # what the lookup branch searches
-    draft_cache = draft.make_cache(sliding_window_size)
-    sampler = sampler or greedy_sampler
-    layer_ids, head = draft.target_layer_ids, draft_head(draft, target_head(model))
-    embed = draft_embedding(draft, model.model.embed_tokens)
-    masks = [draft.mask_token_id] * (block_size - 1)
+    row = MlxRow(
+        model,
+        draft,
+        cache,
+        sampler or greedy_sampler,
+        block_size,
+        budget=budget,
+        chain=budget is None and not lookup,
+        recurrent=is_hybrid,
+        sliding_window_size=sliding_window_size,
+    )
+    with mx.stream(generation_stream), capture_layer_outputs(model, draft.target_layer_ids) as row.outputs:
+        yield row.prefill(prompt, prefill_step_size), 0
+        for step in decode_rounds(row, lookup, max_matching_ngram_size, sizer):
+            (tokens,) = step.committed()
+            yield tokens, len(tokens) - 1
 
-    def sample(logits: mx.array) -> mx.array:
+
+class MlxRow:
+    """The row's caches and state through `tree_dflash.decode_rounds`, as torch's `OneRow`: its draft pass, its
+    verify (the chain, or a tree with its ancestor mask and RoPE by depth), and its commit (the cache cut back to
+    the accepted path, or for a recurrent target its state restored and the path re-run)."""
+
+    def __init__(self, model: nn.Module, draft: Model, cache: list, sampler: Sampler, block_size: int, **plan):
+        """`plan`: the round's `budget` (None: no drafted tree), whether it verifies the bare `chain` (no tree, no
+        lookup), whether the target is `recurrent`, and the draft cache's `sliding_window_size`."""
+        self.model, self.draft_model, self.cache, self.sampler = model, draft, cache, sampler
+        self.budget, self.chain, self.recurrent = plan["budget"], plan["chain"], plan["recurrent"]
+        self.draft_cache = draft.make_cache(plan["sliding_window_size"])
+        self.block_size, self.layer_ids = block_size, draft.target_layer_ids
+        self.head, self.embed = draft_head(draft, target_head(model)), draft_embedding(draft, model.model.embed_tokens)
+        self.masks = [draft.mask_token_id] * (block_size - 1)
+
+    def sample(self, logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32)  # as transformers' generate: a bf16 model's logits sampled in float32
-        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    def prefill(outputs: dict) -> tuple[mx.array, mx.array]:
+    def prefill(self, prompt: mx.array, step_size: int) -> list[int]:
+        """Reads the prompt; returns the first new token."""
         features = []
-        for start in range(0, prompt.size - 1, prefill_step_size):  # as mlx-lm: these chunks' logits are never computed
-            model(prompt[None, start : min(start + prefill_step_size, prompt.size - 1)], cache=cache)
-            features.append(context_features(outputs, layer_ids))
-            mx.eval(features[-1], [c.state for c in cache])
-        logits = model(prompt[None, -1:], cache=cache)  # the last prompt token alone: one position of logits
-        features.append(context_features(outputs, layer_ids))
-        return sample(logits[0, -1:]), mx.concatenate(features, axis=1)
+        for start in range(0, prompt.size - 1, step_size):  # as mlx-lm: these chunks' logits are never computed
+            self.model(prompt[None, start : min(start + step_size, prompt.size - 1)], cache=self.cache)
+            features.append(context_features(self.outputs, self.layer_ids))
+            mx.eval(features[-1], [c.state for c in self.cache])
+        logits = self.model(prompt[None, -1:], cache=self.cache)  # the last prompt token alone: one position of logits
+        features.append(context_features(self.outputs, self.layer_ids))
+        self.last, self.context = self.sample(logits[0, -1:]).item(), mx.concatenate(features, axis=1)
+        self.history = prompt.tolist() + [self.last]  # what the lookup branch searches
+        return [self.last]
 
-    def draft_block(last: int, context: mx.array) -> mx.array | DraftTree:
-        """The round's draft: the chain's tokens, or the tree to verify."""
-        if sizer:
-            sizer.start_draft()
-        hidden = draft(embed(mx.array([[last] + masks])), context, cache=draft_cache)[:, 1:]
-        if draft.has_selector:  # DFlash 2: a walk over the head's top-k, with the call's sampler (greedy at 0)
-            return draft.candidate_selector.walk(head(hidden), hidden, mx.array([last]), sample)[0]
-        if budget is None and not lookup:  # the chain stays on the device until its verify
-            return mx.argmax(head(hidden), axis=-1)[0]
-        proposal = (
-            best_first_tree(head(hidden)[0], budget)
-            if budget
-            else DraftTree.chain(mx.argmax(head(hidden), -1)[0].tolist())
-        )
-        return round_trees([proposal], [history], lookup, max_matching_ngram_size, sizer)[0][0]
+    def live(self) -> int:
+        return 1  # the caller stops the generator
 
-    def verify_tree(last: int, tree: DraftTree, drafting: bool = True) -> tuple[list[int], mx.array]:
-        """The tokens the tree's accepted path commits, and that path's target features (`drafting`: the draft ran
-        this round, so the sizer hears what was accepted)."""
-        start, size = cache[0].offset, len(tree.tokens) + 1
-        with tree_attention(model, cache, tree, start):
-            chosen = sample(model(mx.array([[last] + tree.tokens]), cache=cache)[0]).tolist()
-        path = tree.accept(chosen)
-        if sizer and drafting:
-            sizer.accepted([path])
-        features = context_features(outputs, layer_ids)[:, mx.array(path)]
-        keep_path(cache, start, path, size)
-        return [tree.node_token(node) for node in path[1:]] + [chosen[path[-1]]], features
+    def histories(self) -> list[list[int]]:
+        return [self.history]
 
-    def rewind(num_rejected: int, states: list | None, kept: mx.array) -> None:
+    def draft(self) -> list[DraftTree | None]:
+        block = self.embed(mx.array([[self.last] + self.masks]))
+        hidden = self.draft_model(block, self.context, cache=self.draft_cache)[:, 1:]
+        if self.chain:  # it stays lazy until the verify's one evaluation
+            self.proposal = mx.argmax(self.head(hidden), axis=-1)[0]
+            if self.draft_model.has_selector:  # DFlash 2: a walk over the head's top-k, with the call's sampler
+                walk = self.draft_model.candidate_selector.walk
+                self.proposal = walk(self.head(hidden), hidden, mx.array([self.last]), self.sample)[0]
+            return [None]
+        if self.budget:
+            return [best_first_tree(self.head(hidden)[0], self.budget)]
+        return [DraftTree.chain(mx.argmax(self.head(hidden), axis=-1)[0].tolist())]
+
+    def verify(self, trees: list[DraftTree | None]) -> tuple[list[DraftTree], list[list[int]]]:
+        (tree,) = trees
+        if tree is None:  # the chain: the target scores `[last, d_1 .. d_{B-1}]`; `last` is not yet in its cache
+            drafted = self.proposal
+            self.ids = mx.concatenate([mx.array([self.last], dtype=drafted.dtype), drafted])[None]
+            self.states = snapshot_states(self.cache) if self.recurrent else None
+            chosen = self.sample(self.model(self.ids, cache=self.cache)[0]).astype(drafted.dtype)
+            tokens = mx.concatenate([drafted, chosen]).tolist()  # the round's one host round trip
+            return [DraftTree.chain(tokens[: drafted.size])], [tokens[drafted.size :]]
+        self.start = self.cache[0].offset
+        with tree_attention(self.model, self.cache, tree, self.start):
+            return trees, [self.sample(self.model(mx.array([[self.last] + tree.tokens]), cache=self.cache)[0]).tolist()]
+
+    def commit(self, step: Round) -> None:
+        (tree,), (path,), (tokens,) = step.trees, step.paths, step.committed()
+        features = context_features(self.outputs, self.layer_ids)
+        if self.chain:
+            fresh = features[:, : len(path)]
+            self.rewind(len(tree.tokens) + 1 - len(path), self.ids[0, : len(path)])
+        else:
+            fresh = features[:, mx.array(path)]
+            keep_path(self.cache, self.start, path, len(tree.tokens) + 1)
+        # the features the draft has not read yet
+        self.context = fresh if step.drafted else mx.concatenate([self.context, fresh], axis=1)
+        self.last = tokens[-1]
+        self.history.extend(tokens)
+
+    def rewind(self, num_rejected: int, kept: mx.array) -> None:
         if num_rejected == 0:
             return
-        if states is None:
-            for c in cache:
+        if self.states is None:
+            for c in self.cache:
                 trim(c, num_rejected)  # drop the rejected tail: its keys came from wrong tokens
             return
         # recurrent state cannot be cropped: restore the pre-verify state and re-run the kept prefix
-        restore_states(cache, states)
-        for c in cache:
+        restore_states(self.cache, self.states)
+        for c in self.cache:
             if not isinstance(c, ArraysCache):
-                trim(c, block_size)
-        model(kept[None], cache=cache)
-
-    with mx.stream(generation_stream), capture_layer_outputs(model, layer_ids) as outputs:
-        token, context = prefill(outputs)
-        last = token.item()
-        history.append(last)
-        yield [last], 0
-        while True:
-            drafting = not sizer or sizer.drafts()  # a cost-sized call skips drafts that do not pay
-            drafted = draft_block(last, context) if drafting else DraftTree.chain([])  # else a plain decode step
-            if isinstance(drafted, DraftTree):
-                new_tokens, fresh = verify_tree(last, drafted, drafting)
-                context = fresh if drafting else mx.concatenate([context, fresh], axis=1)  # what the draft has not read
-                last = new_tokens[-1]
-                history.extend(new_tokens)
-                yield new_tokens, len(new_tokens) - 1
-                continue
-            # verify: the target scores `[last, d_1 .. d_{B-1}]`; `last` is not yet in its cache
-            verify = mx.concatenate([mx.array([last], dtype=drafted.dtype), drafted])
-            states = snapshot_states(cache) if is_hybrid else None
-            chosen = sample(model(verify[None], cache=cache)[0])
-            tokens = mx.concatenate([drafted, chosen.astype(drafted.dtype)]).tolist()  # the round's one host round trip
-            proposed, target_tokens = tokens[: block_size - 1], tokens[block_size - 1 :]
-            accepted = len(DraftTree.chain(proposed).accept(target_tokens)) - 1
-            context = context_features(outputs, layer_ids)[:, : accepted + 1]
-            rewind(block_size - accepted - 1, states, verify[: accepted + 1])
-            new_tokens = proposed[:accepted] + [target_tokens[accepted]]
-            last = new_tokens[-1]
-            history.extend(new_tokens)
-            yield new_tokens, accepted
+                trim(c, self.block_size)
+        self.model(kept[None], cache=self.cache)
 
 
 def stream_generate(

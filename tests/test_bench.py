@@ -286,6 +286,35 @@ def test_batch_sizes_measure_batched_dflash_against_plain_batches(model_dirs, pr
     ).read_text()
 
 
+def test_batch_sizes_time_no_cost_measurement(model_dirs, prompts_file, tmp_path, monkeypatch):
+    """A row count's t(n) is measured in its untimed first call, whose seconds are kept apart: no timed call
+    measures."""
+    import bench.batch
+    import cost_dflash
+
+    measured, timed, measure = [], bench.batch.timed, cost_dflash.measure_verify_costs
+    monkeypatch.setattr(
+        cost_dflash, "measure_verify_costs", lambda *a, **k: measured.append(k["rows"]) or measure(*a, **k)
+    )
+
+    def checked(call, *args, **kwargs):
+        before = len(measured)
+        out = timed(call, *args, **kwargs)
+        assert kwargs["max_new_tokens"] == 2 or len(measured) == before, "a timed call measured t(n)"
+        return out
+
+    monkeypatch.setattr(bench.batch, "timed", checked)
+    assert main(bench_args(model_dirs, prompts_file, tmp_path, "--batch-size", "1,2")) == 0
+    assert measured == [1, 2], "once per row count"
+    result = json.loads((tmp_path / "results.json").read_text())
+    for row in result["rows"]:
+        assert {name: len(seconds) for name, seconds in row["first_call_seconds"].items()} == {
+            "plain": 1,
+            "dflash": 1,
+            "cost": 1,
+        }
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_sizes_fail_when_a_row_differs_from_plain_batched_generate(
     model_dirs, prompts_file, tmp_path, monkeypatch, dtype

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import greedy_reference, make_draft, make_target, watched_target
 
+import cache_dflash
 import cost_dflash
 from tree_dflash import AcceptanceCalibration, DraftTree, TreeSizer, VerifyCosts, best_nodes, node_values, sized_width
 
@@ -86,11 +87,18 @@ def test_the_target_is_timed_once_per_process_and_a_table_can_be_passed_in(monke
 def test_a_batch_is_timed_in_its_own_shape_and_kept_per_row_count():
     target = make_target("llama")
     cost_dflash.MEASURED.pop(target, None)
-    shapes = []
-    target.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    shapes, cached_rows, name = [], [], cache_dflash.cache_kwarg(target)
+
+    def record(module, args, kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        keys = getattr(kwargs[name].layers[0], "keys", None)
+        cached_rows.append(None if keys is None or keys.numel() == 0 else keys.shape[0])
+
+    target.register_forward_pre_hook(record, with_kwargs=True)
     costs = cost_dflash.verify_costs(target, 9, rows=3)
     assert costs.tokens == [3, 6, 9], "t(n) by tokens in all: 3 rows of 1, 2 and 3 tokens"
-    assert shapes[0] == (3, cost_dflash.CONTEXT) and set(shapes[1:]) == {(3, 1), (3, 2), (3, 3)}
+    assert shapes[0] == (1, cost_dflash.CONTEXT), "one row's context, copied to every row"
+    assert set(shapes[1:]) == {(3, 1), (3, 2), (3, 3)} and set(cached_rows[1:]) == {3}
     shapes.clear()
     assert cost_dflash.verify_costs(target, 9, rows=3) is costs and not shapes, "kept for the process"
     one_row = cost_dflash.verify_costs(target, 4)
