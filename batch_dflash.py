@@ -268,7 +268,7 @@ class RaggedBatch:
     target: torch.nn.Module
     plan: TreePlan
     warpers: LogitsProcessorList | None
-    pick: "RowPicker"
+    pick: RowPicker
     ends: list[OutputEnd]
     rows: Rows
     features: LayerFeatures

@@ -91,7 +91,8 @@ def test_a_batch_is_timed_in_its_own_shape_and_kept_per_row_count():
 
     def record(module, args, kwargs):
         shapes.append(tuple(kwargs["input_ids"].shape))
-        keys = getattr(kwargs[name].layers[0], "keys", None)
+        layers = kwargs[name].layers
+        keys = getattr(layers[0], "keys", None) if layers else None
         cached_rows.append(None if keys is None or keys.numel() == 0 else keys.shape[0])
 
     target.register_forward_pre_hook(record, with_kwargs=True)
