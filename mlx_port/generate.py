@@ -451,6 +451,7 @@ class MlxRow:
         self.block_size, self.layer_ids = block_size, draft.target_layer_ids
         self.head, self.embed = draft_head(draft, target_head(model)), draft_embedding(draft, model.model.embed_tokens)
         self.masks = [draft.mask_token_id] * (block_size - 1)
+        self.outputs: dict = {}  # the layers' outputs the draft reads, while `capture_layer_outputs` holds them
 
     def sample(self, logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32)  # as transformers' generate: a bf16 model's logits sampled in float32
