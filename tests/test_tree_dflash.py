@@ -619,3 +619,92 @@ def test_a_target_scaling_attention_by_cache_slot_is_refused_for_trees_and_batch
         target=target, input_ids=ids, max_new_tokens=4, tree_budget=0, prompt_lookup_num_tokens=0
     )
     assert torch.equal(chain, greedy_reference(target, ids, 4))
+
+
+class ListRows:
+    """`decode_rounds`' rows over plain lists: each row's target continues its own `reference`, and its draft is right
+    for its `ks` tokens, then wrong; `bare` leaves each chain "on the device" (None) until the verify."""
+
+    def __init__(self, references: list[list[int]], ks: list[int], length: int, bare: bool = False):
+        self.references, self.ks, self.length, self.bare = references, ks, length, bare
+        self.outputs, self.drafts, self.verified, self.held = [[r[0]] for r in references], 0, [], []
+
+    def live(self) -> int:
+        return sum(len(out) < self.length for out in self.outputs)
+
+    def histories(self) -> list[list[int]]:
+        return [list(out) for out in self.outputs]
+
+    def draft(self) -> list:
+        self.drafts += 1
+        self.held = [
+            [ref[len(out) + i] if i < k else -1 for i in range(4)] for (ref, out), k in zip(self.pairs(), self.ks)
+        ]
+        return [None] * len(self.held) if self.bare else [tree_dflash.DraftTree.chain(c) for c in self.held]
+
+    def verify(self, trees: list) -> tuple[list, list[list[int]]]:
+        if self.bare and self.held:
+            trees = [tree_dflash.DraftTree.chain(chain) for chain in self.held]
+        self.verified.append([len(tree.tokens) for tree in trees])
+        chosen = [
+            [ref[len(out) + len(tree.path_tokens(node))] for node in range(len(tree.tokens) + 1)]
+            for tree, (ref, out) in zip(trees, self.pairs())
+        ]
+        return trees, chosen
+
+    def commit(self, step: tree_dflash.Round) -> None:
+        for out, tokens in zip(self.outputs, step.committed()):
+            out += tokens
+        self.held = []
+
+    def pairs(self):
+        return list(zip(self.references, self.outputs))
+
+
+class EveryOtherRound:
+    """A sizer stub: drafts every other round, keeping the proposals whole."""
+
+    def __init__(self):
+        self.rounds, self.fed = 0, []
+
+    def drafts(self) -> bool:
+        self.rounds += 1
+        return self.rounds % 2 == 1
+
+    def start_draft(self) -> None:
+        pass
+
+    def cut(self, trees, branches):
+        return [t.with_branch(b) for t, b in zip(trees, branches)], [1.0 + len(t.tokens) for t in trees]
+
+    def accepted(self, paths) -> None:
+        self.fed.append([len(p) for p in paths])
+
+
+REFERENCES = [list(range(100, 140)), list(range(200, 240))]
+
+
+def test_decode_rounds_commits_each_rows_reference_and_follows_the_sizer():
+    """The one round loop, framework-free: rows right for k = 2 tokens commit 3 a drafted round and 1 a plain step,
+    their output is each row's reference, the draft runs only in drafted rounds (a plain step verifies no node), and
+    the sizer hears only drafted rounds."""
+    rows, sizer = ListRows(REFERENCES, [2, 2], 20), EveryOtherRound()
+    steps = list(tree_dflash.decode_rounds(rows, sizer=sizer))
+    assert [out[:20] for out in rows.outputs] == [r[:20] for r in REFERENCES]
+    assert [[len(p) for p in s.paths] for s in steps] == [[3, 3] if s.drafted else [1, 1] for s in steps]
+    assert rows.drafts == sum(s.drafted for s in steps) > 0 and sizer.fed == [[3, 3]] * rows.drafts
+    assert rows.verified == [[4, 4] if s.drafted else [0, 0] for s in steps]
+    assert [s.estimates for s in steps] == [[5.0, 5.0] if s.drafted else [1.0, 1.0] for s in steps]
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_decode_rounds_takes_chains_left_on_the_device_and_aligns_rows(bare):
+    """A chain the draft leaves on the device (None) is the tree its verify hands back; `align_rows` holds every row
+    to the round's shortest path (the second row's draft is never right), and output stays each reference."""
+    rows = ListRows(REFERENCES, [2, 2], 16, bare)
+    assert all(len(p) == 3 for step in tree_dflash.decode_rounds(rows) for p in step.paths)
+    assert [out[:16] for out in rows.outputs] == [r[:16] for r in REFERENCES]
+    uneven = ListRows(REFERENCES, [2, 0], 12, bare)
+    paths = [[len(p) for p in step.paths] for step in tree_dflash.decode_rounds(uneven, align_rows=True)]
+    assert len(paths) == 11 and all(lengths == [1, 1] for lengths in paths)
+    assert [out[:12] for out in uneven.outputs] == [r[:12] for r in REFERENCES]
