@@ -21,7 +21,7 @@ from transformers import (
 )
 
 try:
-    from .cache_dflash import cache_kwarg, drop_last, is_hybrid
+    from .cache_dflash import cache_kwarg, drop_last, is_hybrid, select_cache_rows
     from .decoding_dflash import (
         LayerFeatures,
         OutputEnd,
@@ -35,7 +35,7 @@ try:
     from .proposal_dflash import layer_masks
     from .tree_dflash import DraftTree, Round, check_tree_supported, decode_rounds, mask_layout
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from cache_dflash import cache_kwarg, drop_last, is_hybrid
+    from cache_dflash import cache_kwarg, drop_last, is_hybrid, select_cache_rows
     from decoding_dflash import (
         LayerFeatures,
         OutputEnd,
@@ -107,12 +107,6 @@ class Rows:
 
     def select(self, keep: torch.Tensor) -> "Rows":
         return Rows(*(getattr(self, f)[keep] for f in self.__dataclass_fields__))
-
-
-def select_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None:  # transformers 5 may hold layers not yet written
-            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
 
 
 def draft_block(draft, embed, head, rows: Rows, cache: DynamicCache, block_size: int) -> torch.Tensor:

@@ -224,3 +224,10 @@ def compact_cache(cache: DynamicCache, first: int, path: list[int]) -> None:
         crop_recorded(cache, total - first - len(path))
     elif total > first + len(path):
         cache.crop(first + len(path) - total)
+
+
+def select_cache_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keeps the cache's batch rows `rows` (a bool mask, or indices, which may repeat a row)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:  # transformers 5 may hold layers not yet written
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]

@@ -10,10 +10,10 @@ import torch
 from transformers import DynamicCache
 
 try:
-    from .cache_dflash import cache_kwarg, drop_last
+    from .cache_dflash import cache_kwarg, drop_last, select_cache_rows
     from .tree_dflash import VerifyCosts
 except ImportError:  # imported as a top-level module from the repo root or an installed project
-    from cache_dflash import cache_kwarg, drop_last
+    from cache_dflash import cache_kwarg, drop_last, select_cache_rows
     from tree_dflash import VerifyCosts
 
 MEASURED = weakref.WeakKeyDictionary()  # target -> {(dtype, device, threads, rows): VerifyCosts}
@@ -43,7 +43,8 @@ def measure_verify_costs(target, most_tokens: int, rows: int = 1, repeats: int =
     cache = {cache_kwarg(target): DynamicCache()}
     with torch.inference_mode():
         target(input_ids=ids[:1, :CONTEXT], use_cache=True, logits_to_keep=1, **cache)
-        repeat_rows(next(iter(cache.values())), rows)  # a pass's cost reads the cache's shape, not its values
+        # a pass's cost reads the cache's shape, not its values: the one row's, as every row's
+        select_cache_rows(next(iter(cache.values())), torch.zeros(rows, dtype=torch.long, device=target.device))
         seconds = [min(timed_pass(target, ids[:, CONTEXT : CONTEXT + n], cache) for _ in range(repeats)) for n in sizes]
     return VerifyCosts([rows * n for n in sizes], seconds)
 
@@ -57,10 +58,3 @@ def timed_pass(target, ids: torch.Tensor, cache: dict) -> float:
     seconds = time.perf_counter() - start
     drop_last(next(iter(cache.values())), ids.shape[1])
     return seconds
-
-
-def repeat_rows(cache: DynamicCache, rows: int) -> None:
-    """One row's cached keys and values, as `rows` rows."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None:  # transformers 5 may hold layers not yet written
-            layer.keys, layer.values = layer.keys.repeat(rows, 1, 1, 1), layer.values.repeat(rows, 1, 1, 1)

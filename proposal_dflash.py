@@ -22,15 +22,13 @@ def build_tree(
 
 
 def propose(
-    logits: torch.Tensor, budget: int | None, warpers=None, vocab: torch.Tensor | None = None, min_prob: float = 0.0
+    logits: torch.Tensor, budget: int, warpers=None, vocab: torch.Tensor | None = None, min_prob: float = 0.0
 ) -> DraftTree:
-    """The round's draft: the argmax chain when `budget` is None, else a best-first tree of at most `budget` nodes
-    whose path probability is at least `min_prob`, scored with the draft's distribution after the call's sampling
+    """The round's drafted tree: best-first, of at most `budget` nodes whose path probability is at least
+    `min_prob`, scored with the draft's distribution after the call's sampling
     warpers (none when greedy), so a token the target cannot sample is never proposed. `logits`: `[1, depth, vocab]`,
     over the draft's vocabulary `vocab` when given (then every other token has probability 0, and the warpers read
     the same distribution)."""
-    if budget is None:
-        return DraftTree.chain(argmax_tokens(logits[0], vocab).tolist())
     scores = warpers(None, logits[0].float()) if warpers else logits[0].float()
     return build_tree(torch.log_softmax(scores, dim=-1), budget, vocab, math.log(min_prob) if min_prob else -math.inf)
 

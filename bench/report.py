@@ -220,6 +220,9 @@ def batch_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+FIRST_CALLS = ("plain", "dflash", "cost")  # the batch bench's methods, in its table's order
+
+
 def first_call(row: dict) -> str:
     """The untimed first call's seconds per row count, plain / fixed / cost-sized (the prefill included; a
     cost-sized call also measures t(n) there); "-" for a run that timed it with the rest."""
@@ -227,9 +230,6 @@ def first_call(row: dict) -> str:
     if not seconds:
         return "-"
     return ", ".join(" / ".join(f"{s:.1f}" for s in calls) for calls in zip(*(seconds[m] for m in FIRST_CALLS)))
-
-
-FIRST_CALLS = ("plain", "dflash", "cost")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,8 @@ import decoding_dflash
 import plan_dflash
 import tree_dflash
 from cache_dflash import cache_kwarg, compact_cache
-from proposal_dflash import ancestors, build_tree, propose, tree_attention_mask, tree_position_ids
+from decoding_dflash import drafted_trees
+from proposal_dflash import ancestors, build_tree, tree_attention_mask, tree_position_ids
 from tree_dflash import DraftTree, mask_layout, prompt_lookup
 
 
@@ -83,8 +84,9 @@ def test_draft_vocabulary_scores_propose_what_whole_vocabulary_logits_do(budget)
     compact = torch.randn(1, 3, len(vocab), generator=torch.Generator().manual_seed(3)) * 2
     full = torch.full((1, 3, 12), float("-inf")).index_copy_(-1, vocab, compact)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    plan = plan_dflash.TreePlan(budget=budget)
     for warp in [None, warpers]:
-        expected, got = propose(full, budget, warp), propose(compact, budget, warp, vocab)
+        (expected,), (got,) = drafted_trees(full, None, plan, warp), drafted_trees(compact, vocab, plan, warp)
         assert (got.tokens, got.parents, got.depths) == (expected.tokens, expected.parents, expected.depths)
     assert set(got.tokens) <= set(vocab.tolist())
 
