@@ -166,21 +166,22 @@ class VerifyCosts:
         return "\n".join(f"{n:>5} tokens  {t * 1000:8.2f} ms" for n, t in zip(self.tokens, self.seconds))
 
 
-class AcceptanceCalibration:
-    """Scales the draft's path probabilities to the acceptance this call has seen: the drafted tokens accepted over
-    the sum of the verified nodes' path probabilities, with a prior of `prior` tokens accepted at `prior_rate` (the
-    factor before the first round)."""
+class Calibration:
+    """The ratio of what a call measured to what it predicted so far (drafted tokens accepted to their expected
+    count, or a verify's seconds to its t(n)), with a prior of `prior` predicted at `prior_rate` (the factor before
+    the first update)."""
 
     def __init__(self, prior: float = 2.0, prior_rate: float = 1.0):
-        self.accepted, self.predicted = prior * prior_rate, prior
+        self.measured, self.predicted, self.updates = prior * prior_rate, prior, 0
 
     @property
     def factor(self) -> float:
-        return self.accepted / self.predicted
+        return self.measured / self.predicted
 
-    def update(self, predicted: float, accepted: int) -> None:
+    def update(self, predicted: float, measured: float) -> None:
         self.predicted += predicted
-        self.accepted += accepted
+        self.measured += measured
+        self.updates += 1
 
 
 def sized_width(row_values: list[list[float]], cost: VerifyCosts, draft_seconds: float) -> int:
@@ -202,7 +203,7 @@ def committed_rate(row_values: list[list[float]], width: int, cost: VerifyCosts,
 def node_values(tree: "DraftTree", drafted: int, branch: list[int], draft_factor: float, lookup_rate: float):
     """Each node's expected acceptance: the first `drafted` nodes' calibrated path probability under the draft, and
     for the lookup branch's nodes `lookup_rate ** depth`, whichever is larger (a shared node is proposed by both)."""
-    values = [draft_factor * math.exp(score) for score in tree.log_probs[:drafted]]
+    values = [min(1.0, draft_factor * math.exp(score)) for score in tree.log_probs[:drafted]]
     values += [0.0] * (len(tree.tokens) - drafted)
     for depth, node in enumerate(tree.branch_nodes(branch), 1):
         values[node - 1] = max(values[node - 1], lookup_rate**depth)
@@ -219,8 +220,13 @@ def best_nodes(values: list[float], width: int) -> list[int]:
 class TreeSizer:
     """Cuts each round's trees (a best-first draft tree plus its lookup branch) to the width that pays for its
     verify (`tree_dflash.sized_width`), valuing each node by its calibrated chance of acceptance: the draft's path
-    probability times the ratio of accepted to expected draft nodes so far, and for lookup nodes the rate at which
-    the call's lookup tokens were accepted, to the power of their depth (both with a prior).
+    probability times the ratio of accepted to expected draft nodes so far (nodes the lookup branch shares left out,
+    since two proposers agreeing are right more often than either), and for lookup nodes the rate at which the
+    call's lookup tokens were accepted, to the power of their depth (both with a prior).
+
+    t(n) comes from a table timed after a short context; a call's verifies read a longer one and carry its loop's
+    own work, which slows wider verifies more. So each verify is costed at t(n) times the ratio of the seconds the
+    call's verifies of its kind took to their t(n) so far (`verified`), plain steps apart from wider verifies.
 
     A round whose best verify, draft time included, commits tokens slower than a plain decode step would have makes
     the next 1, then 2, 4, ... (at most `MAX_SKIP`) rounds plain steps without a draft pass (`drafts`), until a
@@ -230,7 +236,8 @@ class TreeSizer:
 
     def __init__(self, costs):
         self.costs, self.started = costs, None
-        self.draft, self.lookup = AcceptanceCalibration(), AcceptanceCalibration(prior_rate=0.5)
+        self.draft, self.lookup = Calibration(), Calibration(prior_rate=0.5)
+        self.step_time, self.wide_time = Calibration(prior=costs(1)), Calibration(prior=costs(1))
         self.skip, self.backoff = 0, 1
 
     def drafts(self) -> bool:
@@ -245,6 +252,20 @@ class TreeSizer:
         """Marks a round's start: its draft time runs from here through building its trees to `cut`."""
         self.started = time.perf_counter()
 
+    def verify_seconds(self, tokens: int, rows: int) -> float:
+        """What a verify of `tokens` in all over `rows` rows costs this call: t(tokens), calibrated by its kind's
+        verifies, or by the other kind's while none of its own has run (so neither kind is favoured unmeasured)."""
+        own, other = self.timings(tokens, rows)
+        return (own if own.updates or not other.updates else other).factor * self.costs(tokens)
+
+    def verified(self, tokens: int, rows: int, seconds: float) -> None:
+        """Feeds back a verify's measured seconds (every round's, plain steps too)."""
+        self.timings(tokens, rows)[0].update(self.costs(tokens), seconds)
+
+    def timings(self, tokens: int, rows: int) -> tuple[Calibration, Calibration]:
+        """The calibration of this verify's kind (a plain step, or wider), then the other kind's."""
+        return (self.step_time, self.wide_time) if tokens == rows else (self.wide_time, self.step_time)
+
     def cut(self, trees: list[DraftTree], branches: list[list[int]]) -> tuple[list[DraftTree], list[float]]:
         """The trees with their branches, cut to one width; and each row's expected acceptance length (the bonus
         token included)."""
@@ -255,15 +276,16 @@ class TreeSizer:
             for tree, drafted, branch in zip(merged, trees, branches)
         ]
         ranked = [sorted(v, reverse=True) for v in values]
-        width = sized_width(ranked, self.costs, draft_seconds)
-        self.pace(committed_rate(ranked, width, self.costs, draft_seconds) > len(values) / self.costs(len(values)))
+        cost = functools.partial(self.verify_seconds, rows=len(values))
+        width = sized_width(ranked, cost, draft_seconds)
+        self.pace(committed_rate(ranked, width, cost, draft_seconds) > len(values) / cost(len(values)))
         kept = [best_nodes(v, width) for v in values]
-        self.rounds = []  # per row: the kept draft nodes' expected acceptance, its kept lookup nodes, and more
+        self.rounds = []  # per row: the kept draft-only nodes' expected acceptance, its kept lookup nodes, and more
         for tree, drafted, branch, nodes in zip(merged, trees, branches, kept):
-            chosen = set(nodes)
-            predicted = sum(math.exp(score) for n, score in enumerate(drafted.log_probs, 1) if n in chosen)
-            lookup_nodes = set(tree.branch_nodes(branch)) & chosen
-            self.rounds.append((predicted, lookup_nodes, len(drafted.tokens), nodes))
+            lookup_nodes = set(tree.branch_nodes(branch)) & set(nodes)
+            draft_only = {n for n in nodes if n <= len(drafted.tokens)} - lookup_nodes
+            predicted = sum(math.exp(drafted.log_probs[n - 1]) for n in draft_only)
+            self.rounds.append((predicted, lookup_nodes, draft_only, nodes))
         cut = [tree.subtree(nodes) for tree, nodes in zip(merged, kept)]
         return cut, [1 + sum(v[n - 1] for n in nodes) for v, nodes in zip(values, kept)]
 
@@ -277,10 +299,10 @@ class TreeSizer:
 
     def accepted(self, paths: list[list[int]]) -> None:
         """Feeds back each row's accepted path (node numbers of the cut tree)."""
-        for path, (predicted, lookup_nodes, drafted, nodes) in zip(paths, self.rounds):
-            accepted = [nodes[node - 1] for node in path[1:]]  # back to the uncut tree's numbers
-            self.draft.update(predicted, sum(node <= drafted for node in accepted))
-            self.lookup.update(len(lookup_nodes), len(lookup_nodes & set(accepted)))
+        for path, (predicted, lookup_nodes, draft_only, nodes) in zip(paths, self.rounds):
+            accepted = {nodes[node - 1] for node in path[1:]}  # back to the uncut tree's numbers
+            self.draft.update(predicted, len(accepted & draft_only))
+            self.lookup.update(len(lookup_nodes), len(lookup_nodes & accepted))
 
 
 def round_trees(
@@ -331,7 +353,10 @@ def decode_rounds(rows, lookup: int = 0, max_ngram: int = 2, sizer=None, align_r
         proposals = rows.draft() if drafting else None  # None: a plain decode step for every row
         histories = rows.histories() if drafting and lookup else [[]] * live  # only a drafted round's lookup reads
         trees, estimates = round_trees(proposals, histories, lookup, max_ngram, sizer)
+        started = time.perf_counter()
         trees, chosen = rows.verify(trees)
+        if sizer:  # a packed verify costs the widest row's tree in every row
+            sizer.verified(live * (1 + max(len(tree.tokens) for tree in trees)), live, time.perf_counter() - started)
         paths = [tree.accept(row_chosen) for tree, row_chosen in zip(trees, chosen)]
         if align_rows:  # the target's choice after the shortest path is every row's own next token
             paths = [path[: min(map(len, paths))] for path in paths]

@@ -12,7 +12,7 @@ from conftest import greedy_reference, make_draft, make_target, watched_target
 
 import cache_dflash
 import cost_dflash
-from tree_dflash import AcceptanceCalibration, DraftTree, TreeSizer, VerifyCosts, best_nodes, node_values, sized_width
+from tree_dflash import Calibration, DraftTree, TreeSizer, VerifyCosts, best_nodes, node_values, sized_width
 
 FLAT = VerifyCosts([1, 64], [10.0, 10.0])  # any width costs one (slow) decode step, beside which a draft is free
 STEEP = VerifyCosts([1, 2, 64], [0.010, 0.020, 0.640])  # each token costs a decode step: verify nothing drafted
@@ -42,9 +42,9 @@ def test_more_rows_verify_narrower_trees_and_calibration_scales_the_probabilitie
     probs = [0.9, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05]
     one, twelve = sized_width([probs], costs, 0.005), sized_width([probs] * 12, costs, 0.005)
     assert one > twelve
-    calibration = AcceptanceCalibration(prior=2.0)
+    calibration = Calibration(prior=2.0)
     assert calibration.factor == 1.0
-    calibration.update(predicted=8.0, accepted=3)
+    calibration.update(predicted=8.0, measured=3)
     assert calibration.factor == pytest.approx(5 / 10)
     scaled = [[calibration.factor * p for p in probs]] * 12
     assert sized_width(scaled, costs, 0.005) < twelve  # a draft that over-promised gets less
@@ -58,6 +58,42 @@ def test_nodes_are_valued_by_draft_and_lookup_and_the_best_keep_their_parents():
     assert best_nodes(values, 2) == [1, 3]
     cut = tree.subtree(best_nodes(values, 3))
     assert (cut.tokens, cut.parents, cut.depths) == ([4, 5, 9], [0, 1, 1], [1, 2, 2])
+
+
+def test_a_nodes_value_is_a_probability_however_the_draft_was_calibrated():
+    tree = DraftTree([4, 5], [0, 1], [1, 2], [math.log(0.8), math.log(0.4)])
+    assert node_values(tree, 2, [], draft_factor=2.0, lookup_rate=0.5) == pytest.approx([1.0, 0.8])
+
+
+def test_the_draft_is_calibrated_on_the_nodes_the_lookup_branch_does_not_share():
+    """Two proposers agreeing are right more often than the draft alone, so a shared node's acceptance is the lookup
+    calibration's, not the draft's: here the shared node is accepted and the draft's own is not."""
+    sizer = TreeSizer(FLAT)
+    siblings = DraftTree([4, 5], [0, 0], [1, 1], [math.log(0.5), math.log(0.5)])
+    sizer.start_draft()
+    (cut,), _ = sizer.cut([siblings], [[4]])
+    sizer.accepted([[0, cut.tokens.index(4) + 1]])
+    assert sizer.draft.factor == pytest.approx(2.0 / 2.5), "the draft's own node: 0.5 expected, none accepted"
+    assert sizer.lookup.factor == pytest.approx(2.0 / 3.0), "the shared node: one verified, one accepted"
+
+
+def test_verifies_are_costed_by_what_the_calls_own_took():
+    """A call whose plain steps take their t(n) but whose wider verifies take three times it cuts its tree to a plain
+    step; a kind of verify not yet run is costed by the other kind's ratio, so neither is favoured unmeasured."""
+    costs = VerifyCosts([1, 8], [0.010, 0.017])  # 1 ms a token: three nodes pay at first
+    chain = DraftTree([4, 5, 6], [0, 1, 2], [1, 2, 3], [math.log(p) for p in (0.9, 0.5, 0.3)])
+    sizer = TreeSizer(costs)
+    sizer.start_draft()
+    assert len(sizer.cut([chain], [[]])[0][0].tokens) == 3
+    sizer.verified(4, 1, 3 * costs(4))
+    ratio = sizer.verify_seconds(4, 1) / costs(4)
+    assert ratio > 2 and sizer.verify_seconds(1, 1) / costs(1) == pytest.approx(ratio), "borrowed"
+    sizer.start_draft()
+    assert len(sizer.cut([chain], [[]])[0][0].tokens) == 3, "both kinds scaled alike: the same width"
+    sizer.verified(1, 1, costs(1))
+    assert sizer.verify_seconds(1, 1) == pytest.approx(costs(1)) and sizer.verify_seconds(4, 1) / costs(4) == ratio
+    sizer.start_draft()
+    assert sizer.cut([chain], [[]])[0][0].tokens == [], "a plain step"
 
 
 def test_a_best_first_prefix_is_a_tree():

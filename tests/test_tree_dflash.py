@@ -667,7 +667,7 @@ class EveryOtherRound:
     """A sizer stub: drafts every other round, keeping the proposals whole."""
 
     def __init__(self):
-        self.rounds, self.fed = 0, []
+        self.rounds, self.fed, self.timed = 0, [], []
 
     def drafts(self) -> bool:
         self.rounds += 1
@@ -682,14 +682,17 @@ class EveryOtherRound:
     def accepted(self, paths) -> None:
         self.fed.append([len(p) for p in paths])
 
+    def verified(self, tokens, rows, seconds) -> None:
+        self.timed.append((tokens, rows, seconds > 0))
+
 
 REFERENCES = [list(range(100, 140)), list(range(200, 240))]
 
 
 def test_decode_rounds_commits_each_rows_reference_and_follows_the_sizer():
     """The one round loop, framework-free: rows right for k = 2 tokens commit 3 a drafted round and 1 a plain step,
-    their output is each row's reference, the draft runs only in drafted rounds (a plain step verifies no node), and
-    the sizer hears only drafted rounds."""
+    their output is each row's reference, the draft runs only in drafted rounds (a plain step verifies no node), the
+    sizer hears only drafted rounds' acceptance, and every round's verify: its tokens in all and its seconds."""
     rows, sizer = ListRows(REFERENCES, [2, 2], 20), EveryOtherRound()
     steps = list(tree_dflash.decode_rounds(rows, sizer=sizer))
     assert [out[:20] for out in rows.outputs] == [r[:20] for r in REFERENCES]
@@ -697,6 +700,7 @@ def test_decode_rounds_commits_each_rows_reference_and_follows_the_sizer():
     assert rows.drafts == sum(s.drafted for s in steps) > 0 and sizer.fed == [[3, 3]] * rows.drafts
     assert rows.verified == [[4, 4] if s.drafted else [0, 0] for s in steps]
     assert [s.estimates for s in steps] == [[5.0, 5.0] if s.drafted else [1.0, 1.0] for s in steps]
+    assert sizer.timed == [(2 * 5, 2, True) if s.drafted else (2, 2, True) for s in steps]
 
 
 @pytest.mark.parametrize("bare", [False, True])
