@@ -12,6 +12,7 @@ import heapq
 import inspect
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ATTENTION_FOR_TREES = ("eager", "sdpa")  # the implementations that take an arbitrary 4D mask
@@ -184,7 +185,7 @@ class Calibration:
         self.updates += 1
 
 
-def sized_width(row_values: list[list[float]], cost: VerifyCosts, draft_seconds: float) -> int:
+def sized_width(row_values: list[list[float]], cost: Callable[[int], float], draft_seconds: float) -> int:
     """How many of each row's best nodes to verify (`row_values`: each row's expected accepted tokens per node, in
     descending order): the `w` that maximises expected committed tokens per second, `(rows + sum of the rows' first
     w values) / (draft_seconds + t(rows * (w + 1)))`, every row padded to `w` in the packed verify. `w = 0` is a
@@ -194,7 +195,9 @@ def sized_width(row_values: list[list[float]], cost: VerifyCosts, draft_seconds:
     return rates.index(max(rates))  # the first best: ties go to the smaller verify
 
 
-def committed_rate(row_values: list[list[float]], width: int, cost: VerifyCosts, draft_seconds: float) -> float:
+def committed_rate(
+    row_values: list[list[float]], width: int, cost: Callable[[int], float], draft_seconds: float
+) -> float:
     """Expected committed tokens per second when each row verifies its first `width` nodes (`sized_width`)."""
     expected = len(row_values) + sum(sum(values[:width]) for values in row_values)
     return expected / (draft_seconds + cost(len(row_values) * (width + 1)))

@@ -21,7 +21,7 @@ import torch
 
 from bench.datasets import load_prompts
 from bench.harness import encode, truncate
-from bench.report import first_call, save_figure
+from bench.report import first_call, save_figure, tau_estimate
 from common.exactness import explained
 from common.io import write_json_atomic, write_text_atomic
 
@@ -55,11 +55,12 @@ def batched(draft, target, prompts, batch_size, max_new_tokens, stops, pad) -> d
     rows and seconds, each timed after a first two-token call per row count (a cost-sized call measures t(n) for
     its row count there, once per process), whose seconds are kept apart."""
     result = {"plain": [[], 0.0], "dflash": [[], 0.0], "cost": [[], 0.0], "row_lengths": [], "first_call_seconds": {}}
+    result["cost_rounds"] = []  # the cost-sized call's (estimate, acceptance) of each round that verified nodes
     spec_generate = functools.partial(draft.spec_generate, target)
     methods = (
         ("plain", target.generate, {"do_sample": False, "pad_token_id": pad}),
         ("dflash", spec_generate, {}),
-        ("cost", spec_generate, {"tree_sizing": "cost", "tree_budget": cost_budget(draft)}),
+        ("cost", spec_generate, {"tree_sizing": "cost", "tree_budget": cost_budget(draft), "return_stats": True}),
     )
     groups = [prompts[first : first + batch_size] for first in range(0, len(prompts), batch_size)]
     for group in {len(group): group for group in groups}.values():  # each row count's one-off work, untimed
@@ -71,11 +72,23 @@ def batched(draft, target, prompts, batch_size, max_new_tokens, stops, pad) -> d
         ids, mask = left_padded(group, pad)
         for name, call, kwargs in methods:
             out, took = timed(call, ids, attention_mask=mask, max_new_tokens=max_new_tokens, **kwargs)
+            if name == "cost":
+                result["cost_rounds"] += verified_rounds(out)
+                out = out.output_ids
             rows = [truncate(row, stops, max_new_tokens) for row in out[:, ids.shape[1] :].tolist()]
             result[name][0] += rows
             result[name][1] += took
         result["row_lengths"].append([len(r) for r in result["dflash"][0][-len(group) :]])
     return result
+
+
+def verified_rounds(stats) -> list[tuple[float, int]]:
+    """Each row's rounds that verified drafted nodes, as (expected, measured) acceptance length: those whose estimate
+    is above the bonus token's 1 (a plain step is 1 and 1, which would flatter the estimate)."""
+    accepted, expected = stats.acceptance_lengths, stats.expected_acceptance_lengths
+    if accepted and not isinstance(accepted[0], list):  # one row: its rounds' lists
+        accepted, expected = [accepted], [expected]
+    return [(e, a) for row, row_expected in zip(accepted, expected) for a, e in zip(row, row_expected) if e > 1]
 
 
 def cost_budget(draft) -> int:
@@ -96,6 +109,10 @@ def untied(target, prompts, rows: list[list[int]], reference: list[list[int]]) -
 
 def differing(rows: list[list[int]], reference: list[list[int]]) -> int:
     return sum(a != b for a, b in zip(rows, reference, strict=True))
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def tokens_per_second(rows: list[list[int]], seconds: float) -> float:
@@ -129,6 +146,9 @@ def measure(target, tokenizer, draft, args, stops: list[int]) -> dict:
                 ),
                 "row_lengths": run["row_lengths"],
                 "first_call_seconds": run["first_call_seconds"],
+                "cost_sized_rounds_with_nodes": len(run["cost_rounds"]),
+                "cost_sized_expected_tau": mean([e for e, _ in run["cost_rounds"]]),
+                "cost_sized_measured_tau": mean([a for _, a in run["cost_rounds"]]),
             }
         )
     return {"prompts": len(prompts), "rows": rows}
@@ -138,7 +158,8 @@ def table(result: dict) -> str:
     lines = [
         "batch | DFlash tok/s | cost-sized tok/s | plain batched tok/s | DFlash vs plain | cost-sized vs plain | "
         "DFlash vs one prompt at a time | rows differing from plain (not at a tie) / from one at a time | "
-        "shortest / longest row | first call, s: plain / fixed / cost-sized"
+        "shortest / longest row | first call, s: plain / fixed / cost-sized | "
+        "cost-sized rounds with nodes: tau estimated / measured (rounds)"
     ]
     for row in result["rows"]:
         lengths = [n for group in row["row_lengths"] for n in group]
@@ -150,7 +171,8 @@ def table(result: dict) -> str:
             f"{row['cost_sized_tokens_per_second'] / plain:18.2f}x | "
             f"{row['dflash_tokens_per_second'] / alone:29.2f}x | "
             f"{row['rows_differing_from_plain']:>5} ({row['rows_differing_from_plain_not_at_a_tie']}) / "
-            f"{row['rows_differing_from_one_at_a_time']:<5} | {min(lengths)} / {max(lengths)} | {first_call(row)}"
+            f"{row['rows_differing_from_one_at_a_time']:<5} | {min(lengths)} / {max(lengths)} | {first_call(row)} | "
+            f"{tau_estimate(row)}"
         )
     lines.append(
         "one prompt at a time (spec_generate, shipped defaults): "

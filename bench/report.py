@@ -201,8 +201,8 @@ def batch_markdown(result: dict) -> str:
     lines = [
         "| batch | DFlash tok/s | cost-sized tok/s | plain batched tok/s | DFlash vs plain | cost-sized vs plain | "
         "vs one prompt at a time | rows differing from plain (not at a tie) / one at a time | "
-        "first call, s: plain / fixed / cost-sized |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "first call, s: plain / fixed / cost-sized | cost-sized rounds with nodes: tau estimated / measured (rounds) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         alone, dflash, plain = (
@@ -215,7 +215,7 @@ def batch_markdown(result: dict) -> str:
             f"| {r['batch_size']} | {dflash:.2f} | {cost:.2f} | {plain:.2f} | {dflash / plain:.2f}x | "
             f"{cost / plain:.2f}x | {dflash / alone:.2f}x | {r['rows_differing_from_plain']} "
             f"({r['rows_differing_from_plain_not_at_a_tie']}) / {r['rows_differing_from_one_at_a_time']} | "
-            f"{first_call(r)} |"
+            f"{first_call(r)} | {tau_estimate(r)} |"
         )
     return "\n".join(lines)
 
@@ -230,6 +230,17 @@ def first_call(row: dict) -> str:
     if not seconds:
         return "-"
     return ", ".join(" / ".join(f"{s:.1f}" for s in calls) for calls in zip(*(seconds[m] for m in FIRST_CALLS)))
+
+
+def tau_estimate(row: dict) -> str:
+    """The cost sizer's mean estimate of tau against the measured mean, over its rounds that verified nodes, and
+    their count; "-" for a run that did not record them."""
+    if row.get("cost_sized_measured_tau") is None:
+        return "-"
+    return (
+        f"{row['cost_sized_expected_tau']:.2f} / {row['cost_sized_measured_tau']:.2f} "
+        f"({row['cost_sized_rounds_with_nodes']})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -280,10 +280,29 @@ def test_batch_sizes_measure_batched_dflash_against_plain_batches(model_dirs, pr
         assert row["rows_differing_from_plain"] == 0 == row["rows_differing_from_one_at_a_time"]
         assert row["rows_differing_from_plain_not_at_a_tie"] == 0
         assert min(row[f"{m}_tokens_per_second"] for m in ("dflash", "cost_sized", "plain")) > 0
+        if row["cost_sized_rounds_with_nodes"]:
+            assert row["cost_sized_measured_tau"] >= 1 and row["cost_sized_expected_tau"] > 1
+        else:
+            assert row["cost_sized_measured_tau"] is None is row["cost_sized_expected_tau"]
     assert [len(group) for group in result["rows"][1]["row_lengths"]] == [2], "one batch of two rows"
     assert (tmp_path / "throughput.png").stat().st_size > 0 and "DFlash vs plain" in (
         tmp_path / "summary.txt"
     ).read_text()
+
+
+def test_the_tau_estimate_is_compared_over_rounds_that_verified_nodes():
+    """A plain step's estimate and acceptance are both 1, so the comparison leaves them out; one row's flat lists and
+    a batch's lists per row read alike."""
+    from bench.batch import verified_rounds
+    from bench.report import tau_estimate
+    from decoding_dflash import SpecGenerateOutput
+
+    one = SpecGenerateOutput(torch.zeros(1, 1), [3, 1, 2], expected_acceptance_lengths=[2.5, 1.0, 1.5])
+    batch = SpecGenerateOutput(torch.zeros(2, 1), [[3, 1], [1]], expected_acceptance_lengths=[[2.5, 1.0], [1.2]])
+    assert verified_rounds(one) == [(2.5, 3), (1.5, 2)]
+    assert verified_rounds(batch) == [(2.5, 3), (1.2, 1)]
+    row = {"cost_sized_expected_tau": 2.0, "cost_sized_measured_tau": 2.5, "cost_sized_rounds_with_nodes": 2}
+    assert tau_estimate(row) == "2.00 / 2.50 (2)" and tau_estimate({}) == "-"
 
 
 def test_batch_sizes_time_no_cost_measurement(model_dirs, prompts_file, tmp_path, monkeypatch):
