@@ -203,14 +203,22 @@ def committed_rate(
     return expected / (draft_seconds + cost(len(row_values) * (width + 1)))
 
 
-def node_values(tree: "DraftTree", drafted: int, branch: list[int], draft_factor: float, lookup_rate: float):
-    """Each node's expected acceptance: the first `drafted` nodes' calibrated path probability under the draft, and
-    for the lookup branch's nodes `lookup_rate ** depth`, whichever is larger (a shared node is proposed by both)."""
+def node_values(tree: "DraftTree", drafted: int, branch: list[int], draft_factor: float, lookup_rates: dict):
+    """Each node's expected acceptance: the first `drafted` nodes' calibrated path probability under the draft
+    (capped at 1), and each lookup branch node's parent's value times its kind's rate (`lookup_kinds`), whichever is
+    larger (a shared node is proposed by both)."""
     values = [min(1.0, draft_factor * math.exp(score)) for score in tree.log_probs[:drafted]]
     values += [0.0] * (len(tree.tokens) - drafted)
-    for depth, node in enumerate(tree.branch_nodes(branch), 1):
-        values[node - 1] = max(values[node - 1], lookup_rate**depth)
+    parent = 1.0  # the root's
+    for node, kind in lookup_kinds(tree, branch):
+        values[node - 1] = parent = max(values[node - 1], parent * lookup_rates[kind])
     return values
+
+
+def lookup_kinds(tree: "DraftTree", branch: list[int]) -> list[tuple[int, str]]:
+    """The nodes that hold `branch`, by depth, each with its kind: "first" for the branch's first token, "follows"
+    below it, since a copy that has begun to match tends to go on matching."""
+    return [(node, "follows" if depth else "first") for depth, node in enumerate(tree.branch_nodes(branch))]
 
 
 def best_nodes(values: list[float], width: int) -> list[int]:
@@ -224,8 +232,9 @@ class TreeSizer:
     """Cuts each round's trees (a best-first draft tree plus its lookup branch) to the width that pays for its
     verify (`tree_dflash.sized_width`), valuing each node by its calibrated chance of acceptance: the draft's path
     probability times the ratio of accepted to expected draft nodes so far (nodes the lookup branch shares left out,
-    since two proposers agreeing are right more often than either), and for lookup nodes the rate at which the
-    call's lookup tokens were accepted, to the power of their depth (both with a prior).
+    since two proposers agreeing are right more often than either), and for a lookup node its parent's value times
+    the rate at which the call's lookup-only tokens of its kind were accepted given their parent (`lookup_kinds`:
+    the branch's first token, or one below it), each with a prior.
 
     t(n) comes from a table timed after a short context; a call's verifies read a longer one and carry its loop's
     own work, which slows wider verifies more. So each verify is costed at t(n) times the ratio of the seconds the
@@ -239,7 +248,8 @@ class TreeSizer:
 
     def __init__(self, costs):
         self.costs, self.started = costs, None
-        self.draft, self.lookup = Calibration(), Calibration(prior_rate=0.5)
+        self.draft = Calibration()
+        self.lookup = {"first": Calibration(1.0, 0.25), "follows": Calibration(1.0, 0.75)}
         self.step_time, self.wide_time = Calibration(prior=costs(1)), Calibration(prior=costs(1))
         self.skip, self.backoff = 0, 1
 
@@ -275,7 +285,7 @@ class TreeSizer:
         draft_seconds = time.perf_counter() - self.started
         merged = [tree.with_branch(branch) for tree, branch in zip(trees, branches)]
         values = [
-            node_values(tree, len(drafted.tokens), branch, self.draft.factor, self.lookup.factor)
+            node_values(tree, len(drafted.tokens), branch, self.draft.factor, self.lookup_rates())
             for tree, drafted, branch in zip(merged, trees, branches)
         ]
         ranked = [sorted(v, reverse=True) for v in values]
@@ -283,12 +293,14 @@ class TreeSizer:
         width = sized_width(ranked, cost, draft_seconds)
         self.pace(committed_rate(ranked, width, cost, draft_seconds) > len(values) / cost(len(values)))
         kept = [best_nodes(v, width) for v in values]
-        self.rounds = []  # per row: the kept draft-only nodes' expected acceptance, its kept lookup nodes, and more
+        self.rounds = []  # per row: its kept draft-only nodes' expected acceptance, them, its kept branch, its nodes
         for tree, drafted, branch, nodes in zip(merged, trees, branches, kept):
-            lookup_nodes = set(tree.branch_nodes(branch)) & set(nodes)
-            draft_only = {n for n in nodes if n <= len(drafted.tokens)} - lookup_nodes
+            on_branch = [(n, kind) for n, kind in lookup_kinds(tree, branch) if n in nodes]
+            draft_only = {n for n in nodes if n <= len(drafted.tokens)} - {n for n, _ in on_branch}
             predicted = sum(math.exp(drafted.log_probs[n - 1]) for n in draft_only)
-            self.rounds.append((predicted, lookup_nodes, draft_only, nodes))
+            self.rounds.append(
+                (predicted, draft_only, [(n, kind, n > len(drafted.tokens)) for n, kind in on_branch], nodes)
+            )
         cut = [tree.subtree(nodes) for tree, nodes in zip(merged, kept)]
         return cut, [1 + sum(v[n - 1] for n in nodes) for v, nodes in zip(values, kept)]
 
@@ -300,12 +312,20 @@ class TreeSizer:
         else:
             self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_SKIP)
 
+    def lookup_rates(self) -> dict[str, float]:
+        return {kind: calibration.factor for kind, calibration in self.lookup.items()}
+
     def accepted(self, paths: list[list[int]]) -> None:
-        """Feeds back each row's accepted path (node numbers of the cut tree)."""
-        for path, (predicted, lookup_nodes, draft_only, nodes) in zip(paths, self.rounds):
+        """Feeds back each row's accepted path (node numbers of the cut tree): the draft's factor from its own nodes,
+        and each lookup-only node whose parent was accepted is a trial of its kind's rate."""
+        for path, (predicted, draft_only, on_branch, nodes) in zip(paths, self.rounds):
             accepted = {nodes[node - 1] for node in path[1:]}  # back to the uncut tree's numbers
             self.draft.update(predicted, len(accepted & draft_only))
-            self.lookup.update(len(lookup_nodes), len(lookup_nodes & accepted))
+            for node, kind, lookup_only in on_branch:  # the accepted ones are a prefix of the branch
+                if lookup_only:
+                    self.lookup[kind].update(1, node in accepted)
+                if node not in accepted:
+                    break
 
 
 def round_trees(

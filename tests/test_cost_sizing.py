@@ -12,6 +12,7 @@ from conftest import greedy_reference, make_draft, make_target, watched_target
 
 import cache_dflash
 import cost_dflash
+import tree_dflash
 from tree_dflash import Calibration, DraftTree, TreeSizer, VerifyCosts, best_nodes, node_values, sized_width
 
 FLAT = VerifyCosts([1, 64], [10.0, 10.0])  # any width costs one (slow) decode step, beside which a draft is free
@@ -53,8 +54,8 @@ def test_more_rows_verify_narrower_trees_and_calibration_scales_the_probabilitie
 def test_nodes_are_valued_by_draft_and_lookup_and_the_best_keep_their_parents():
     # node 1 (draft, p 0.8) -> 2 (draft, 0.4); the branch [t1, 9, 8] shares node 1 and adds 3 -> 4
     tree = DraftTree([4, 5], [0, 1], [1, 2], [math.log(0.8), math.log(0.4)]).with_branch([4, 9, 8])
-    values = node_values(tree, 2, [4, 9, 8], draft_factor=1.0, lookup_rate=0.7)
-    assert values == pytest.approx([0.8, 0.4, 0.49, 0.343])
+    values = node_values(tree, 2, [4, 9, 8], draft_factor=1.0, lookup_rates={"first": 0.7, "follows": 0.7})
+    assert values == pytest.approx([0.8, 0.4, 0.56, 0.392]), "each lookup node: its parent's value times a rate"
     assert best_nodes(values, 2) == [1, 3]
     cut = tree.subtree(best_nodes(values, 3))
     assert (cut.tokens, cut.parents, cut.depths) == ([4, 5, 9], [0, 1, 1], [1, 2, 2])
@@ -62,7 +63,16 @@ def test_nodes_are_valued_by_draft_and_lookup_and_the_best_keep_their_parents():
 
 def test_a_nodes_value_is_a_probability_however_the_draft_was_calibrated():
     tree = DraftTree([4, 5], [0, 1], [1, 2], [math.log(0.8), math.log(0.4)])
-    assert node_values(tree, 2, [], draft_factor=2.0, lookup_rate=0.5) == pytest.approx([1.0, 0.8])
+    assert node_values(tree, 2, [], 2.0, {"first": 0.5, "follows": 0.5}) == pytest.approx([1.0, 0.8])
+
+
+def test_a_lookup_nodes_rate_is_its_branchs_first_tokens_or_the_one_for_tokens_below_it():
+    """A lookup branch's first token is rarely right; once a copy matches it tends to go on, so below the first
+    token, shared with the draft's tree or not, another rate applies."""
+    tree = DraftTree([4], [0], [1], [math.log(0.6)]).with_branch([4, 9, 8])
+    assert tree_dflash.lookup_kinds(tree, [4, 9, 8]) == [(1, "first"), (2, "follows"), (3, "follows")]
+    values = node_values(tree, 1, [4, 9, 8], 1.0, {"first": 0.2, "follows": 0.5})
+    assert values == pytest.approx([0.6, 0.3, 0.15]), "the shared node keeps the draft's larger value"
 
 
 def test_the_draft_is_calibrated_on_the_nodes_the_lookup_branch_does_not_share():
@@ -74,7 +84,19 @@ def test_the_draft_is_calibrated_on_the_nodes_the_lookup_branch_does_not_share()
     (cut,), _ = sizer.cut([siblings], [[4]])
     sizer.accepted([[0, cut.tokens.index(4) + 1]])
     assert sizer.draft.factor == pytest.approx(2.0 / 2.5), "the draft's own node: 0.5 expected, none accepted"
-    assert sizer.lookup.factor == pytest.approx(2.0 / 3.0), "the shared node: one verified, one accepted"
+    assert all(c.updates == 0 for c in sizer.lookup.values()), "the shared node is no lookup trial either"
+
+
+def test_the_lookup_rates_are_per_token_given_its_parent():
+    """A round whose lookup-only branch of three is accepted for one token counts a success for the first token and a
+    failure for the second, whose parent was accepted; the third, below a rejected node, is no trial."""
+    sizer = TreeSizer(FLAT)
+    sizer.start_draft()
+    (cut,), _ = sizer.cut([DraftTree([9], [0], [1], [math.log(0.1)])], [[4, 5, 6]])
+    assert cut.tokens == [9, 4, 5, 6]
+    sizer.accepted([[0, 2]])
+    assert sizer.lookup_rates() == pytest.approx({"first": (0.25 + 1) / (1 + 1), "follows": (0.75 + 0) / (1 + 1)})
+    assert sizer.draft.factor == pytest.approx(2.0 / 2.1)
 
 
 def test_verifies_are_costed_by_what_the_calls_own_took():
