@@ -76,8 +76,8 @@ def test_a_lookup_nodes_rate_is_its_branchs_first_tokens_or_the_one_for_tokens_b
 
 
 def test_the_draft_is_calibrated_on_the_nodes_the_lookup_branch_does_not_share():
-    """Two proposers agreeing are right more often than the draft alone, so a shared node's acceptance is the lookup
-    calibration's, not the draft's: here the shared node is accepted and the draft's own is not."""
+    """Two proposers agreeing are right more often than either alone, so a shared node calibrates neither: here the
+    shared node is accepted and the draft's own is not."""
     sizer = TreeSizer(FLAT)
     siblings = DraftTree([4, 5], [0, 0], [1, 1], [math.log(0.5), math.log(0.5)])
     sizer.start_draft()
