@@ -551,14 +551,34 @@ def test_round_profile_times_every_part_of_real_rounds_and_restores_the_loop():
     target, draft = make_target("llama"), make_draft()
     draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = 4, 3
     originals = {name: getattr(decoding_dflash, name) for name in ("draft_step", "propose", "verify_forward")}
+    prompts = [torch.tensor([[5, 6, 7, 5, 6]]), torch.tensor([[9, 8]])]
     with torch.inference_mode():
-        result = profile(target, draft, [torch.tensor([[5, 6, 7, 5, 6]]), torch.tensor([[9, 8]])], max_new_tokens=12)
+        result = profile(target, draft, [(p, torch.ones_like(p)) for p in prompts], 12, stops=[], pad=0)
     assert {"draft", "tree", "lookup", "verify", "accept", "compaction", "rest"} <= set(result["parts"])
     assert all(result["parts"][p] > 0 for p in ("draft", "tree", "verify"))
     assert sum(result["parts"].values()) == pytest.approx(result["round"])
-    assert result["tau"] >= 1 and result["decode_step"] > 0
+    assert result["tau"] >= 1 and result["decode_step"] > 0 and result["speedup"] > 0
     assert "beyond the verify" in report(torch.float32, result)
     assert all(getattr(decoding_dflash, name) is fn for name, fn in originals.items())
+
+
+def test_round_profile_times_a_batch_through_the_batch_engine():
+    from conftest import make_draft, make_target
+
+    import batch_dflash
+    from bench.batch import left_padded
+    from bench.round_profile import profile
+
+    target, draft = make_target("llama"), make_draft()
+    draft.config.tree_budget, draft.config.prompt_lookup_num_tokens = 4, 3
+    originals = {name: getattr(batch_dflash, name) for name in ("draft_block", "verify_trees", "commit_paths")}
+    batch = left_padded([torch.tensor([[5, 6, 7, 5, 6]]), torch.tensor([[9, 8]])], pad=0)
+    with torch.inference_mode():
+        result = profile(target, draft, [batch], 12, stops=[], pad=0, tree_sizing="fixed")
+    assert all(result["parts"][p] > 0 for p in ("draft", "verify", "compaction"))  # the batch engine's own parts
+    assert sum(result["parts"].values()) == pytest.approx(result["round"])
+    assert result["tau"] >= 2  # new tokens a round over both rows
+    assert all(getattr(batch_dflash, name) is fn for name, fn in originals.items())
 
 
 def test_int8_kernels_times_every_kernel_on_the_drafts_shapes(model_dirs, tmp_path):
