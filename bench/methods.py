@@ -248,6 +248,8 @@ TORCH_METHODS: dict[str, Callable[[Context, int | None], Run]] = {
     "spec-generate-static": functools.partial(spec_generate, cache_implementation="static"),
     "spec-generate-compiled": functools.partial(spec_generate, compile_verify=True),  # compiled in the warm-up
     "spec-generate-lookup": spec_generate_lookup,
+    "spec-generate-fixed": functools.partial(spec_generate, tree_sizing="fixed"),  # the config's tree, every round
+    "spec-generate-cost": functools.partial(spec_generate, tree_sizing="cost"),  # cut to what each verify costs
     "spec-generate-confident": spec_generate_confident,
     "spec-generate-int8": spec_generate_int8,
     "assisted": assisted,
