@@ -82,12 +82,19 @@ def batched(draft, target, prompts, batch_size, max_new_tokens, stops, pad) -> d
     return result
 
 
+def per_row(values: list) -> list[list]:
+    """A call's per-round stats as one list per row: one row's call gives its rounds' list itself."""
+    return [values] if values and not isinstance(values[0], list) else values
+
+
+def pad_token(tokenizer, stops: list[int]) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+
+
 def verified_rounds(stats) -> list[tuple[float, int]]:
     """Each row's rounds that verified drafted nodes, as (expected, measured) acceptance length: those whose estimate
     is above the bonus token's 1 (a plain step is 1 and 1, which would flatter the estimate)."""
-    accepted, expected = stats.acceptance_lengths, stats.expected_acceptance_lengths
-    if accepted and not isinstance(accepted[0], list):  # one row: its rounds' lists
-        accepted, expected = [accepted], [expected]
+    accepted, expected = per_row(stats.acceptance_lengths), per_row(stats.expected_acceptance_lengths)
     return [(e, a) for row, row_expected in zip(accepted, expected) for a, e in zip(row, row_expected) if e > 1]
 
 
@@ -120,7 +127,7 @@ def tokens_per_second(rows: list[list[int]], seconds: float) -> float:
 
 
 def measure(target, tokenizer, draft, args, stops: list[int]) -> dict:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    pad = pad_token(tokenizer, stops)
     prompts = [
         encode(tokenizer, [{"role": "user", "content": row["turns"][0]}])
         for name in args.dataset.split(",")

@@ -23,7 +23,7 @@ import torch
 import batch_dflash
 import decoding_dflash
 import tree_dflash
-from bench.batch import left_padded
+from bench.batch import left_padded, pad_token, per_row
 from bench.datasets import load_prompts
 from bench.harness import encode, truncate
 from bench.run import stop_token_ids
@@ -95,7 +95,7 @@ def profile(
                 target, ids, attention_mask=mask, max_new_tokens=max_new_tokens, return_stats=True, **options
             )
             round_ms += (time.perf_counter() - start) * 1000 - prefill_ms
-        lengths = out.acceptance_lengths if ids.shape[0] > 1 else [out.acceptance_lengths]
+        lengths = per_row(out.acceptance_lengths)
         rounds += max(map(len, lengths))
         new_tokens += sum(map(sum, lengths))
     parts = {part: ms / rounds for part, ms in totals.items()}
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in load_prompts(name, args.max_samples)
     ]
     stops = stop_token_ids(target, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    pad = pad_token(tokenizer, stops)
     batches = [left_padded(prompts[i : i + args.batch_size], pad) for i in range(0, len(prompts), args.batch_size)]
     options = {"tree_sizing": args.tree_sizing} if args.tree_sizing else {}
     for ids, mask in {len(ids): (ids, mask) for ids, mask in batches}.values():  # warm-up, t(n) per row count
