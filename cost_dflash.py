@@ -34,9 +34,9 @@ def verify_costs(target, most_tokens: int, costs=None, rows: int = 1) -> VerifyC
 
 
 def measure_verify_costs(target, most_tokens: int, rows: int = 1, repeats: int = 2) -> VerifyCosts:
-    """The fastest of `repeats` timed passes of `rows` rows over 1, 2, 4, ... tokens each (and up to `most_tokens` in
-    all) after `CONTEXT` cached ones: a batch is timed in its own shape, since its attention reads every row's cache
-    (one row's prefill, copied to every row). Each pass is cropped back after timing."""
+    """`VerifyCosts.timed` over passes of `rows` rows with 1, 2, 4, ... tokens each (and up to `most_tokens` in all)
+    after `CONTEXT` cached ones: a batch is timed in its own shape, since its attention reads every row's cache (one
+    row's prefill, copied to every row). Each pass is cropped back after timing."""
     sizes = VerifyCosts.sizes_to_time(-(-most_tokens // rows))  # per row
     vocab = target.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (rows, CONTEXT + sizes[-1]), device=target.device)
@@ -45,8 +45,8 @@ def measure_verify_costs(target, most_tokens: int, rows: int = 1, repeats: int =
         target(input_ids=ids[:1, :CONTEXT], use_cache=True, logits_to_keep=1, **cache)
         # a pass's cost reads the cache's shape, not its values: the one row's, as every row's
         select_cache_rows(next(iter(cache.values())), torch.zeros(rows, dtype=torch.long, device=target.device))
-        seconds = [min(timed_pass(target, ids[:, CONTEXT : CONTEXT + n], cache) for _ in range(repeats)) for n in sizes]
-    return VerifyCosts([rows * n for n in sizes], seconds)
+        costs = VerifyCosts.timed(sizes, lambda n: timed_pass(target, ids[:, CONTEXT : CONTEXT + n], cache), repeats)
+    return VerifyCosts([rows * n for n in sizes], costs.seconds)
 
 
 def timed_pass(target, ids: torch.Tensor, cache: dict) -> float:

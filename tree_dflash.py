@@ -10,6 +10,7 @@ transformers): the torch loops (`proposal_dflash.py`) and the MLX port build, cu
 import functools
 import heapq
 import inspect
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -155,6 +156,16 @@ class VerifyCosts:
     def sizes_to_time(most_tokens: int) -> list[int]:
         """The verify lengths a measurement times: 1, 2, 4, ... and `most_tokens`."""
         return sorted({1 << i for i in range(max(most_tokens, 1).bit_length())} | {max(most_tokens, 1)})
+
+    @classmethod
+    def timed(cls, sizes: list[int], time_pass: Callable[[int], float], repeats: int = 2) -> "VerifyCosts":
+        """t(n) at `sizes` from `repeats` rounds of `time_pass(n)` over every size in turn, so a slow spell of the
+        machine falls on all sizes rather than one. A pass's noise only adds time and a wider verify never costs
+        less, so each size keeps the fastest time of itself and every wider size (a lower envelope)."""
+        fastest = [math.inf] * len(sizes)
+        for _ in range(repeats):
+            fastest = [min(best, time_pass(n)) for best, n in zip(fastest, sizes)]
+        return cls(list(sizes), list(itertools.accumulate(reversed(fastest), min))[::-1])
 
     def __call__(self, n: int) -> float:
         points = list(zip(self.tokens, self.seconds))

@@ -352,8 +352,8 @@ def target_costs(model: nn.Module, most_tokens: int, costs=None) -> VerifyCosts:
 
 
 def measure_verify_costs(model: nn.Module, most_tokens: int, repeats: int = 2) -> VerifyCosts:
-    """The fastest of `repeats` timed passes over each of `VerifyCosts.sizes_to_time` tokens after `COST_CONTEXT`
-    cached ones, each trimmed back after timing."""
+    """`VerifyCosts.timed` over passes of each of `VerifyCosts.sizes_to_time` tokens after `COST_CONTEXT` cached
+    ones, each trimmed back after timing."""
     sizes = VerifyCosts.sizes_to_time(most_tokens)
     ids = mx.random.randint(0, model.model.embed_tokens.weight.shape[0], (1, COST_CONTEXT + sizes[-1]))
     cache = make_prompt_cache(model)
@@ -367,7 +367,7 @@ def measure_verify_costs(model: nn.Module, most_tokens: int, repeats: int = 2) -
             trim(c, n)
         return seconds
 
-    return VerifyCosts(sizes, [min(timed(n) for _ in range(repeats)) for n in sizes])
+    return VerifyCosts.timed(sizes, timed, repeats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

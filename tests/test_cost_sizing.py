@@ -27,6 +27,20 @@ def test_verify_costs_interpolate_between_and_beyond_the_measured_sizes():
     assert "16 tokens" in costs.table()
 
 
+def test_verify_costs_are_timed_in_turns_and_never_fall_with_width():
+    passes = {1: [0.030, 0.010], 2: [0.016, 0.018], 4: [0.014, 0.020]}  # a slow spell, then 2's pass slower than 4's
+    order = []
+
+    def time_pass(n):
+        order.append(n)
+        return passes[n][order.count(n) - 1]
+
+    costs = VerifyCosts.timed([1, 2, 4], time_pass, repeats=2)
+    assert order == [1, 2, 4, 1, 2, 4], "every size once per round, so a slow spell is shared"
+    assert costs.tokens == [1, 2, 4]
+    assert costs.seconds == [0.010, 0.014, 0.014], "each size's fastest, capped by any wider size's"
+
+
 def test_the_width_is_what_maximises_expected_tokens_per_second():
     probs = [[0.9, 0.5, 0.3, 0.1, 0.05]]
     assert sized_width(probs, FLAT, 0.0) == 5
@@ -157,7 +171,9 @@ def test_a_batch_is_timed_in_its_own_shape_and_kept_per_row_count():
     costs = cost_dflash.verify_costs(target, 9, rows=3)
     assert costs.tokens == [3, 6, 9], "t(n) by tokens in all: 3 rows of 1, 2 and 3 tokens"
     assert shapes[0] == (1, cost_dflash.CONTEXT), "one row's context, copied to every row"
-    assert set(shapes[1:]) == {(3, 1), (3, 2), (3, 3)} and set(cached_rows[1:]) == {3}
+    assert shapes[1:] == [(3, 1), (3, 2), (3, 3)] * 2, "timed in turns"
+    assert set(cached_rows[1:]) == {3}
+    assert costs.seconds == sorted(costs.seconds), "a wider verify never costs less"
     shapes.clear()
     assert cost_dflash.verify_costs(target, 9, rows=3) is costs and not shapes, "kept for the process"
     one_row = cost_dflash.verify_costs(target, 4)
