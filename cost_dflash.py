@@ -45,8 +45,11 @@ def measure_verify_costs(target, most_tokens: int, rows: int = 1, repeats: int =
         target(input_ids=ids[:1, :CONTEXT], use_cache=True, logits_to_keep=1, **cache)
         # a pass's cost reads the cache's shape, not its values: the one row's, as every row's
         select_cache_rows(next(iter(cache.values())), torch.zeros(rows, dtype=torch.long, device=target.device))
-        costs = VerifyCosts.timed(sizes, lambda n: timed_pass(target, ids[:, CONTEXT : CONTEXT + n], cache), repeats)
-    return VerifyCosts([rows * n for n in sizes], costs.seconds)
+
+        def time_pass(total: int) -> float:  # `total` tokens in all, `total // rows` in each row
+            return timed_pass(target, ids[:, CONTEXT : CONTEXT + total // rows], cache)
+
+        return VerifyCosts.timed([rows * n for n in sizes], time_pass, repeats)
 
 
 def timed_pass(target, ids: torch.Tensor, cache: dict) -> float:
